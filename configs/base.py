@@ -1,0 +1,30 @@
+"""Fields every runnable config has; the setup configs start from these.
+
+Every strategy's fields are present, so switching strategy is one override:
+`--config.strategy.name=...`.
+"""
+
+import ml_collections
+
+
+def get_config() -> ml_collections.ConfigDict:
+  config = ml_collections.ConfigDict()
+  config.seed = 0  # Params, member RNGs and data order all derive from it.
+  config.batch_size = 128  # Global: split over data replicas, whole for each ensemble member.
+  config.eval_batch_size = 128  # Short final eval batches are padded and masked.
+  config.num_train_steps = 1000
+  config.log_every_steps = 100
+  config.eval_every_steps = 0  # 0: evaluate only at the end.
+
+  config.optimizer = "sgd"  # One of trainer.optim.OPTIMIZERS.
+  config.learning_rate = 0.1
+  config.momentum = 0.9
+
+  config.strategy = ml_collections.ConfigDict()
+  config.strategy.name = "single_device"  # See strategies.available().
+  # sharded_data_parallel: mesh over all devices; -1 takes the remaining devices.
+  config.strategy.mesh_shape = (-1,)
+  config.strategy.mesh_axes = ("data",)
+  # Logical axis name -> mesh axis; the rule for 'batch' shards the batch.
+  config.strategy.logical_axis_rules = (("batch", "data"),)
+  return config

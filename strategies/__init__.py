@@ -1,0 +1,20 @@
+"""Device-layout strategies, registered by name for `config.strategy.name`."""
+
+from strategies.base import Strategy, member_rng
+from strategies.pmap_data_parallel import PmapDataParallel
+from strategies.pmap_ensemble import PmapEnsemble
+from strategies.registry import available, create_strategy, register
+from strategies.sharded_data_parallel import ShardedDataParallel
+from strategies.single_device import SingleDevice
+
+__all__ = [
+    "PmapDataParallel",
+    "PmapEnsemble",
+    "ShardedDataParallel",
+    "SingleDevice",
+    "Strategy",
+    "available",
+    "create_strategy",
+    "member_rng",
+    "register",
+]

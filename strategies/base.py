@@ -1,0 +1,130 @@
+"""The Strategy interface: how a run's state and batches are laid out on devices.
+
+A `Trainer` writes its step functions once, in single-replica terms. A strategy
+answers every question about devices: how state is created and placed, how a
+host batch becomes device arrays, how a step is compiled, which collectives the
+step needs, and how device results come back to the host in a layout that does
+not depend on the strategy. The collectives default to identities, which is
+exactly what the single-device reference needs.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+
+PyTree = Any
+InitFn = Callable[[jax.Array], PyTree]
+StepFn = Callable[..., Any]
+
+
+def member_rng(rng: jax.Array, index: int | jax.Array) -> jax.Array:
+  """The RNG that ensemble member `index` is initialised from.
+
+  Member i's RNG does not depend on the ensemble size, so member 3 of a
+  4-member ensemble is the same model as member 3 of an 8-member one, and a
+  single-device run started from `member_rng(rng, i)` reproduces member i.
+  """
+  return jax.random.fold_in(rng, index)
+
+
+class Strategy(abc.ABC):
+  """Places state and batches on devices and compiles step functions.
+
+  Subclasses implement the abstract layout methods; the in-step collectives
+  (`mean_over_data`, `mean_over_members`, `replica_rng`) are identities here
+  and are overridden only by strategies whose step runs per device.
+  """
+
+  #: The name the strategy is registered under (`config.strategy.name`).
+  name: str = ""
+
+  #: How many independently initialised models the state holds.
+  num_members: int = 1
+
+  @property
+  @abc.abstractmethod
+  def num_data_replicas(self) -> int:
+    """How many parts the global batch is split into."""
+
+  def check_batch_size(self, global_batch_size: int, field: str = "batch_size") -> None:
+    """Raises ValueError unless the global batch splits evenly over the data replicas."""
+    replicas = self.num_data_replicas
+    if global_batch_size <= 0 or global_batch_size % replicas:
+      raise ValueError(
+          f"config.{field}={global_batch_size} must be a positive multiple of the "
+          f"{replicas} data replicas of strategy {self.name!r}; "
+          f"try {max(replicas, global_batch_size - global_batch_size % replicas)}.")
+
+  # -- Placement -------------------------------------------------------------
+
+  @abc.abstractmethod
+  def create_state(self, init_fn: InitFn, rng: jax.Array) -> PyTree:
+    """Builds the train state on devices from `init_fn(rng) -> state`.
+
+    Ensemble strategies call `init_fn` once per member with `member_rng(rng, i)`.
+    """
+
+  @abc.abstractmethod
+  def put_batch(self, batch: PyTree) -> PyTree:
+    """Moves a host batch (global, leading batch axis) to devices."""
+
+  @abc.abstractmethod
+  def compile_train_step(self, step_fn: StepFn, state: PyTree) -> StepFn:
+    """Compiles `step_fn(state, batch) -> (state, metrics)`, donating the state.
+
+    `state` is a placed state whose layout the compiled step keeps.
+    """
+
+  @abc.abstractmethod
+  def compile_eval_step(self, eval_fn: StepFn, state: PyTree) -> StepFn:
+    """Compiles `eval_fn(state, batch) -> outputs` without donation."""
+
+  # -- In-step collectives (called inside compiled steps) --------------------
+
+  def mean_over_data(self, tree: PyTree) -> PyTree:
+    """Averages a pytree over data replicas (gradients, metric sums)."""
+    return tree
+
+  def merge_metrics_over_data(self, metrics: PyTree) -> PyTree:
+    """Merges a clu metric collection computed on each data replica's shard."""
+    return metrics
+
+  def mean_over_members(self, tree: PyTree) -> PyTree:
+    """Averages a pytree over ensemble members (member probabilities)."""
+    return tree
+
+  def replica_rng(self, rng: jax.Array) -> jax.Array:
+    """Makes a step RNG distinct per data replica where each replica sees a shard."""
+    return rng
+
+  # -- Host views --------------------------------------------------------------
+
+  def metrics_to_host(self, metrics: PyTree) -> PyTree:
+    """One host copy of a step's metrics, merged over members where there are several."""
+    return jax.device_get(metrics)
+
+  def outputs_to_host(self, outputs: PyTree) -> PyTree:
+    """Per-example outputs as host arrays with the global batch as leading axis."""
+    return jax.device_get(outputs)
+
+  def to_canonical(self, tree: PyTree) -> PyTree:
+    """State (or params) as host arrays in the strategy-independent layout.
+
+    Non-ensemble strategies give one copy of each array, unreplicated and
+    unsharded; ensemble strategies give a leading member axis.
+    """
+    return jax.device_get(tree)
+
+  def describe(self) -> str:
+    """A one-line summary of the device layout."""
+    return f"{self.name}: {self.num_members} member(s), {self.num_data_replicas} data replica(s)"
+
+
+def first_along_leading_axis(tree: PyTree) -> PyTree:
+  """Host copy of element 0 of every leaf's leading axis."""
+  return jax.tree.map(lambda x: np.asarray(x[0]), jax.device_get(tree))

@@ -1,0 +1,79 @@
+"""Ensembles under `jax.pmap`: one independently initialised member per device."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from strategies.base import (
+    InitFn,
+    PyTree,
+    StepFn,
+    Strategy,
+    first_along_leading_axis,
+    member_rng,
+)
+from strategies.registry import register
+
+AXIS = "ensemble"
+
+
+@register("pmap_ensemble")
+class PmapEnsemble(Strategy):
+  """Member i lives on local device i and is initialised from `member_rng(rng, i)`.
+
+  Every device sees the whole batch. Losses and gradients stay per member (no
+  collective in the train step); only ensemble predictions average member
+  probabilities with `lax.pmean` over the `ensemble` axis.
+  """
+
+  def __init__(self, num_members: int, devices: list[jax.Device] | None = None):
+    self.devices = list(devices or jax.local_devices())
+    if num_members != len(self.devices):
+      raise ValueError(
+          f"config.ensemble_size={num_members} but strategy 'pmap_ensemble' places one "
+          f"member on each of the {len(self.devices)} local devices; set ensemble_size="
+          f"{len(self.devices)}, or change the device count (e.g. config.num_cpu_devices "
+          f"on CPU).")
+    self.num_members = num_members
+    self._replicated = NamedSharding(Mesh(np.array(self.devices), (AXIS,)), PartitionSpec())
+
+  @classmethod
+  def from_config(cls, config: ml_collections.ConfigDict) -> PmapEnsemble:
+    return cls(num_members=config.get("ensemble_size", jax.local_device_count()))
+
+  @property
+  def num_data_replicas(self) -> int:
+    return 1
+
+  def create_state(self, init_fn: InitFn, rng: jax.Array) -> PyTree:
+    rngs = jax.vmap(lambda i: member_rng(rng, i))(jnp.arange(self.num_members))
+    return jax.pmap(init_fn, devices=self.devices)(rngs)
+
+  def put_batch(self, batch: PyTree) -> PyTree:
+    return jax.device_put(batch, self._replicated)
+
+  def compile_train_step(self, step_fn: StepFn, state: PyTree) -> StepFn:
+    del state
+    return jax.pmap(step_fn, axis_name=AXIS, in_axes=(0, None), devices=self.devices,
+                    donate_argnums=(0,))
+
+  def compile_eval_step(self, eval_fn: StepFn, state: PyTree) -> StepFn:
+    del state
+    return jax.pmap(eval_fn, axis_name=AXIS, in_axes=(0, None), devices=self.devices)
+
+  def mean_over_members(self, tree: PyTree) -> PyTree:
+    return jax.lax.pmean(tree, AXIS)
+
+  def metrics_to_host(self, metrics: PyTree) -> PyTree:
+    # Member metrics differ per device; merging them averages over members.
+    return jax.device_get(metrics).reduce()
+
+  def outputs_to_host(self, outputs: PyTree) -> PyTree:
+    return first_along_leading_axis(outputs)  # Identical on every member after pmean.
+
+  def to_canonical(self, tree: PyTree) -> PyTree:
+    return jax.device_get(tree)  # Already stacked on a leading member axis.

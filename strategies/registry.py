@@ -1,0 +1,47 @@
+"""Strategy names, in one place: `config.strategy.name` resolves here."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import ml_collections
+
+from strategies.base import Strategy
+
+_FACTORIES: dict[str, Callable[[ml_collections.ConfigDict], Strategy]] = {}
+
+
+def register(name: str):
+  """Class decorator that registers a strategy under `name`.
+
+  The class must provide `from_config(config) -> Strategy`, which reads the
+  fields it needs from the whole run config.
+  """
+
+  def decorator(cls):
+    if name in _FACTORIES:
+      raise ValueError(f"strategy name {name!r} is registered twice")
+    cls.name = name
+    _FACTORIES[name] = cls.from_config
+    return cls
+
+  return decorator
+
+
+def available() -> list[str]:
+  """The registered strategy names, sorted."""
+  return sorted(_FACTORIES)
+
+
+def create_strategy(config: ml_collections.ConfigDict) -> Strategy:
+  """Builds the strategy named by `config.strategy.name`, validating its fields.
+
+  Raises:
+    ValueError: the name is not registered, or the strategy's fields are invalid.
+  """
+  name = config.strategy.name
+  if name not in _FACTORIES:
+    raise ValueError(
+        f"config.strategy.name={name!r} is not a registered strategy; "
+        f"choose one of: {', '.join(available())}.")
+  return _FACTORIES[name](config)

@@ -1,0 +1,83 @@
+"""Test setup: 8 fake CPU devices (set before jax initialises) and small trainers."""
+
+import os
+
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import ml_collections  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+import models  # noqa: E402
+from configs import mlp_sharded, mnist_cnn  # noqa: E402
+from trainer import ClassificationTrainer, Trainer  # noqa: E402
+
+NUM_DEVICES = 8
+
+
+class CNNTrainer(ClassificationTrainer):
+  def build_model(self):
+    return models.CNN(num_classes=10)
+
+
+class MLPTrainer(Trainer):
+  """Regression with the logical-axis MLP: mean squared error per example."""
+
+  def build_model(self):
+    return models.MLP(num_layers=self.config.model.num_layers, depth=self.config.model.depth)
+
+  def loss(self, outputs, batch):
+    return jnp.mean((outputs - batch["targets"]) ** 2, axis=-1)
+
+
+def cnn_config(**overrides) -> ml_collections.ConfigDict:
+  config = mnist_cnn.get_config()
+  config.batch_size = 16
+  config.eval_batch_size = 16
+  config.learning_rate = 0.05
+  config.log_every_steps = 1000
+  config.update_from_flattened_dict(overrides)
+  return config
+
+
+def mlp_config(**overrides) -> ml_collections.ConfigDict:
+  config = mlp_sharded.get_config()
+  config.model.num_layers = 2
+  config.model.depth = 16
+  config.model.embed = 8
+  config.batch_size = 16
+  config.eval_batch_size = 16
+  config.log_every_steps = 1000
+  config.update_from_flattened_dict(overrides)
+  return config
+
+
+def image_batches(num: int, batch_size: int, seed: int = 0) -> list[dict[str, np.ndarray]]:
+  """Random 28x28 images; the label is the quadrant with the most ink, so it is learnable."""
+  rng = np.random.default_rng(seed)
+  out = []
+  for _ in range(num):
+    images = rng.random((batch_size, 28, 28, 1), dtype=np.float32)
+    quadrants = images.reshape(batch_size, 2, 14, 2, 14).sum(axis=(2, 4)).reshape(batch_size, 4)
+    out.append({"image": images, "label": quadrants.argmax(-1).astype(np.int32)})
+  return out
+
+
+def vector_batches(num: int, batch_size: int, dim: int, seed: int = 0):
+  rng = np.random.default_rng(seed)
+  return [{"inputs": rng.normal(size=(batch_size, dim)).astype(np.float32),
+           "targets": rng.normal(size=(batch_size, dim)).astype(np.float32)}
+          for _ in range(num)]
+
+
+def leaves(tree):
+  return [np.asarray(x) for x in jax.tree.leaves(tree)]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _eight_devices():
+  assert jax.device_count() == NUM_DEVICES, "fake CPU devices were not configured"
