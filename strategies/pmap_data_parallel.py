@@ -39,7 +39,9 @@ class PmapDataParallel(Strategy):
 
   def create_state(self, init_fn: InitFn, rng: jax.Array) -> PyTree:
     state = jax.jit(init_fn)(rng)
-    return flax.jax_utils.replicate(state, devices=self.devices)
+    # Placed on the step's own axis name: pmap keys its cache on input shardings,
+    # so any other name would compile the step a second time.
+    return flax.jax_utils.replicate(state, devices=self.devices, axis_name=AXIS)
 
   def put_batch(self, batch: PyTree) -> PyTree:
     n = self.num_data_replicas

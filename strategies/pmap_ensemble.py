@@ -51,7 +51,8 @@ class PmapEnsemble(Strategy):
 
   def create_state(self, init_fn: InitFn, rng: jax.Array) -> PyTree:
     rngs = jax.vmap(lambda i: member_rng(rng, i))(jnp.arange(self.num_members))
-    return jax.pmap(init_fn, devices=self.devices)(rngs)
+    # Same axis name as the steps, so the first step reuses the compiled program.
+    return jax.pmap(init_fn, axis_name=AXIS, devices=self.devices)(rngs)
 
   def put_batch(self, batch: PyTree) -> PyTree:
     return jax.device_put(batch, self._replicated)

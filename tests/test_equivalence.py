@@ -1,0 +1,78 @@
+"""Data parallelism changes where the work runs, never the result.
+
+pmap data parallel and jit over a mesh (1-D data mesh, and a 2x4 data x model
+mesh with logical rules) must give the parameters a single device gives after
+several steps on the same global batches.
+"""
+
+import numpy as np
+import pytest
+from conftest import (
+  CNNTrainer,
+  MLPTrainer,
+  cnn_config,
+  image_batches,
+  leaves,
+  mlp_config,
+  vector_batches,
+)
+
+STEPS = 4
+
+DATA_PARALLEL = {
+    "pmap_data_parallel": {"strategy.name": "pmap_data_parallel"},
+    "sharded_data_8": {
+        "strategy.name": "sharded_data_parallel", "strategy.mesh_shape": (8,),
+        "strategy.mesh_axes": ("data",), "strategy.logical_axis_rules": (("batch", "data"),)},
+    "sharded_data_model_2x4": {
+        "strategy.name": "sharded_data_parallel", "strategy.mesh_shape": (2, 4),
+        "strategy.mesh_axes": ("data", "model"),
+        "strategy.logical_axis_rules": (("batch", "data"), ("hidden", "model"))},
+}
+
+MODELS = {
+    # (trainer class, config factory, batches)
+    "cnn": (CNNTrainer, cnn_config, lambda: image_batches(STEPS, 16)),
+    "mlp_sgd": (MLPTrainer, lambda **kw: mlp_config(optimizer="sgd", learning_rate=0.05, **kw),
+                lambda: vector_batches(STEPS, 16, 8)),
+    "mlp_adam": (MLPTrainer, mlp_config, lambda: vector_batches(STEPS, 16, 8)),
+}
+
+
+def _train(model: str, overrides: dict):
+  trainer_cls, make_config, make_batches = MODELS[model]
+  config = make_config(**overrides)
+  trainer = trainer_cls(config)
+  state = trainer.fit(make_batches(), num_steps=STEPS)
+  return trainer.strategy.to_canonical(state.params)
+
+
+@pytest.fixture(scope="module")
+def reference():
+  cache = {}
+
+  def get(model):
+    if model not in cache:
+      cache[model] = _train(model, {"strategy.name": "single_device"})
+    return cache[model]
+
+  return get
+
+
+@pytest.mark.parametrize("strategy", sorted(DATA_PARALLEL))
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_data_parallel_matches_single_device(model, strategy, reference):
+  expected = reference(model)
+  got = _train(model, DATA_PARALLEL[strategy])
+  initial = _initial_params(model)
+  for want, have in zip(leaves(expected), leaves(got), strict=True):
+    assert have.shape == want.shape
+    np.testing.assert_allclose(have, want, rtol=1e-5, atol=1e-6)
+  # The comparison is meaningful only if training moved the parameters.
+  assert any(not np.allclose(w, s) for w, s in zip(leaves(expected), initial, strict=True))
+
+
+def _initial_params(model):
+  trainer_cls, make_config, make_batches = MODELS[model]
+  trainer = trainer_cls(make_config(**{"strategy.name": "single_device"}))
+  return leaves(trainer.init_state(make_batches()[0]).params)

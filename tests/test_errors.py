@@ -1,0 +1,87 @@
+"""Bad configs fail in the Trainer's constructor, before any model or data work."""
+
+import re
+
+import pytest
+from conftest import CNNTrainer, MLPTrainer, cnn_config, image_batches, mlp_config
+
+import strategies
+
+
+class _NeverBuilt(CNNTrainer):
+  """Fails the test if the constructor got as far as building the model."""
+
+  def build_model(self):
+    raise AssertionError("the config error must be raised before the model is built")
+
+
+def test_unknown_strategy_lists_the_valid_names():
+  with pytest.raises(ValueError) as err:
+    _NeverBuilt(cnn_config(**{"strategy.name": "pmap_ensmble"}))
+  message = str(err.value)
+  assert "config.strategy.name='pmap_ensmble'" in message
+  for name in ("single_device", "pmap_data_parallel", "pmap_ensemble",
+               "sharded_data_parallel"):
+    assert name in message
+  assert set(strategies.available()) >= {"single_device", "pmap_data_parallel",
+                                         "pmap_ensemble", "sharded_data_parallel"}
+
+
+@pytest.mark.parametrize("strategy,overrides", [
+    ("pmap_data_parallel", {}),
+    ("sharded_data_parallel", {"strategy.mesh_shape": (8,)}),
+    ("sharded_data_parallel", {"strategy.mesh_shape": (-1,)}),
+])
+def test_batch_size_must_split_over_data_replicas(strategy, overrides):
+  with pytest.raises(ValueError, match=r"config\.batch_size=12 .*8 data replicas"):
+    _NeverBuilt(cnn_config(**{"strategy.name": strategy, "batch_size": 12, **overrides}))
+
+
+def test_batch_size_counts_only_the_data_axes_of_a_2d_mesh():
+  # 2 data replicas on a 2x4 mesh: 6 examples split, 5 do not.
+  MLPTrainer(mlp_config(batch_size=6, eval_batch_size=6))
+  with pytest.raises(ValueError, match=r"config\.batch_size=5 .*2 data replicas"):
+    MLPTrainer(mlp_config(batch_size=5))
+
+
+def test_eval_batch_size_is_checked_too():
+  with pytest.raises(ValueError, match=r"config\.eval_batch_size=20 .*8 data replicas"):
+    _NeverBuilt(cnn_config(**{"strategy.name": "pmap_data_parallel", "eval_batch_size": 20}))
+
+
+def test_mesh_shape_must_cover_the_devices():
+  with pytest.raises(ValueError, match=re.escape(
+      "config.strategy.mesh_shape=(2, 2) covers 4 devices but 8 are available")):
+    _NeverBuilt(cnn_config(**{"strategy.name": "sharded_data_parallel",
+                              "strategy.mesh_shape": (2, 2),
+                              "strategy.mesh_axes": ("data", "model")}))
+
+
+def test_mesh_shape_and_axes_must_agree():
+  with pytest.raises(ValueError, match=r"mesh_shape=\(8,\) and config\.strategy\.mesh_axes="):
+    _NeverBuilt(cnn_config(**{"strategy.name": "sharded_data_parallel",
+                              "strategy.mesh_shape": (8,),
+                              "strategy.mesh_axes": ("data", "model")}))
+
+
+def test_pmap_ensemble_needs_one_member_per_device():
+  with pytest.raises(ValueError, match=r"config\.ensemble_size=4 .*8 local devices"):
+    _NeverBuilt(cnn_config(**{"strategy.name": "pmap_ensemble", "ensemble_size": 4}))
+
+
+def test_rule_naming_a_missing_mesh_axis():
+  with pytest.raises(ValueError, match=re.escape(
+      "maps 'hidden' to mesh axis 'tensor', but the mesh axes are ('data', 'model')")):
+    MLPTrainer(mlp_config(**{"strategy.logical_axis_rules": (("batch", "data"),
+                                                             ("hidden", "tensor"))}))
+
+
+def test_unknown_optimizer():
+  with pytest.raises(ValueError, match=r"config\.optimizer='lamb' .*sgd, adam, adamw"):
+    CNNTrainer(cnn_config(optimizer="lamb"))
+
+
+def test_batch_of_the_wrong_size_is_named():
+  trainer = CNNTrainer(cnn_config(**{"strategy.name": "pmap_data_parallel"}))
+  with pytest.raises(ValueError, match="leading dimension 12 does not split over 8"):
+    trainer.strategy.put_batch(image_batches(1, 12)[0])

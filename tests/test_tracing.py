@@ -1,0 +1,44 @@
+"""Each step function is traced once for a whole run, evaluation included."""
+
+import pytest
+from conftest import CNNTrainer, MLPTrainer, cnn_config, image_batches, mlp_config, vector_batches
+
+STEPS = 12
+
+
+def _counting(base):
+  class Counting(base):
+    traces = None
+
+    def train_step(self, state, batch):
+      self.traces["train"] += 1
+      return super().train_step(state, batch)
+
+    def eval_step(self, state, batch):
+      self.traces["eval"] += 1
+      return super().eval_step(state, batch)
+
+  return Counting
+
+
+@pytest.mark.parametrize("strategy", ["single_device", "pmap_data_parallel", "pmap_ensemble",
+                                      "sharded_data_parallel"])
+def test_cnn_steps_trace_once(strategy):
+  trainer = _counting(CNNTrainer)(cnn_config(**{
+      "strategy.name": strategy, "ensemble_size": 8, "eval_every_steps": 4,
+      "log_every_steps": 5}))
+  trainer.traces = {"train": 0, "eval": 0}
+  batches = image_batches(STEPS, 16)
+  # Three eval rounds of 5 batches each; the last batch is short and gets padded.
+  eval_set = batches[:4] + [{k: v[:5] for k, v in batches[4].items()}]
+  state = trainer.fit(batches, num_steps=STEPS, eval_batches=lambda: eval_set)
+  assert trainer.strategy.to_canonical(state.step).max() == STEPS
+  assert trainer.traces == {"train": 1, "eval": 1}
+
+
+def test_sharded_mlp_step_traces_once():
+  trainer = _counting(MLPTrainer)(mlp_config(eval_every_steps=6))
+  trainer.traces = {"train": 0, "eval": 0}
+  batches = vector_batches(STEPS, 16, 8)
+  trainer.fit(batches, num_steps=STEPS, eval_batches=lambda: batches[:3])
+  assert trainer.traces == {"train": 1, "eval": 1}
