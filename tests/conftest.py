@@ -13,7 +13,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 import models  # noqa: E402
-from configs import mlp_sharded, mnist_cnn  # noqa: E402
+from configs import mlp_sharded, mnist_ensemble  # noqa: E402
 from trainer import ClassificationTrainer, Trainer  # noqa: E402
 
 NUM_DEVICES = 8
@@ -35,7 +35,8 @@ class MLPTrainer(Trainer):
 
 
 def cnn_config(**overrides) -> ml_collections.ConfigDict:
-  config = mnist_cnn.get_config()
+  config = mnist_ensemble.get_config()
+  config.strategy.name = "single_device"
   config.batch_size = 16
   config.eval_batch_size = 16
   config.learning_rate = 0.05

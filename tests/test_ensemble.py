@@ -74,5 +74,15 @@ def test_ensemble_eval_reports_ensemble_and_member_metrics(ensemble_run, member_
   ensemble_acc = (member_probs.mean(0).argmax(-1) == labels).mean()
   np.testing.assert_allclose(results["member_accuracy"], member_acc, rtol=1e-6)
   np.testing.assert_allclose(results["ensemble_accuracy"], ensemble_acc, rtol=1e-6)
-  ensemble_nll = -np.log(member_probs.mean(0)[np.arange(16), labels]).mean()
+  ensemble_probs = member_probs.mean(0)
+  ensemble_nll = -np.log(ensemble_probs[np.arange(16), labels]).mean()
   np.testing.assert_allclose(results["ensemble_nll"], ensemble_nll, rtol=1e-4)
+  disagreement = (member_probs.argmax(-1) != ensemble_probs.argmax(-1)).mean()
+  np.testing.assert_allclose(results["disagreement"], disagreement, rtol=1e-6)
+  # ECE of the ensemble with 15 equal-width bins, computed directly.
+  confidence = ensemble_probs.max(-1)
+  correct = ensemble_probs.argmax(-1) == labels
+  bins = np.clip(np.ceil(confidence * 15).astype(int) - 1, 0, 14)
+  ece = sum(abs(correct[bins == b].sum() - confidence[bins == b].sum())
+            for b in range(15)) / 16
+  np.testing.assert_allclose(results["ensemble_ece"], ece, rtol=1e-4, atol=1e-6)

@@ -1,11 +1,15 @@
-"""clu metric collections for training and evaluation."""
+"""clu metric collections for training and evaluation, and calibration metrics."""
 
 # No `from __future__ import annotations`: clu reads metric classes from annotations.
 import functools
 from collections.abc import Sequence
 
 import flax
+import jax
+import jax.numpy as jnp
 from clu import metrics
+
+ECE_BINS = 15
 
 
 @flax.struct.dataclass
@@ -19,6 +23,90 @@ class LossMetrics(metrics.Collection):
 class ClassificationTrainMetrics(metrics.Collection):
   loss: metrics.Average.from_output("loss")
   accuracy: metrics.Average.from_output("correct")
+
+
+@flax.struct.dataclass
+class CalibrationError(metrics.Metric):
+  """Expected calibration error over `ECE_BINS` equal-width confidence bins.
+
+  An example's confidence is its largest probability; it falls in bin b when
+  b/B < confidence <= (b+1)/B. ECE = sum_b |correct_b - confidence_b| / N,
+  where correct_b and confidence_b are sums over the examples in bin b. The
+  per-bin sums merge exactly across batches, devices and steps.
+  """
+
+  count: jax.Array
+  confidence: jax.Array
+  correct: jax.Array
+
+  @classmethod
+  def empty(cls) -> "CalibrationError":
+    zeros = jnp.zeros((ECE_BINS,), jnp.float32)
+    return cls(count=zeros, confidence=zeros, correct=zeros)
+
+  @classmethod
+  def from_probs(cls, probs: jax.Array, labels: jax.Array,
+                 mask: jax.Array | None = None) -> "CalibrationError":
+    confidence = probs.max(axis=-1)
+    correct = (probs.argmax(axis=-1) == labels).astype(jnp.float32)
+    weight = jnp.ones_like(confidence) if mask is None else mask.astype(jnp.float32)
+    bins = jnp.clip(jnp.ceil(confidence * ECE_BINS).astype(jnp.int32) - 1, 0, ECE_BINS - 1)
+    one_hot = jax.nn.one_hot(bins, ECE_BINS) * weight[:, None]
+    return cls(count=one_hot.sum(0), confidence=one_hot.T @ confidence,
+               correct=one_hot.T @ correct)
+
+  @classmethod
+  def from_output(cls, probs_name: str):
+    """A metric class reading probabilities `probs_name` and `labels` (and `mask`)."""
+
+    @flax.struct.dataclass
+    class FromOutput(cls):
+      @classmethod
+      def from_model_output(cls, **outputs) -> "CalibrationError":
+        metric = CalibrationError.from_probs(outputs[probs_name], outputs["labels"],
+                                             outputs.get("mask"))
+        return cls(**vars(metric))
+
+    return FromOutput
+
+  def merge(self, other: "CalibrationError") -> "CalibrationError":
+    return type(self)(count=self.count + other.count,
+                      confidence=self.confidence + other.confidence,
+                      correct=self.correct + other.correct)
+
+  def compute(self) -> jax.Array:
+    return jnp.abs(self.correct - self.confidence).sum() / jnp.maximum(self.count.sum(), 1)
+
+
+def nll(probs: jax.Array, labels: jax.Array) -> jax.Array:
+  """Per-example negative log-likelihood of integer labels under probabilities."""
+  p = jnp.take_along_axis(probs, labels[..., None], axis=-1)[..., 0]
+  return -jnp.log(jnp.maximum(p, jnp.finfo(p.dtype).tiny))
+
+
+@flax.struct.dataclass
+class ClassificationEvalMetrics(metrics.Collection):
+  accuracy: metrics.Average.from_output("correct")
+  nll: metrics.Average.from_output("nll")
+  ece: CalibrationError.from_output("probs")
+
+
+@flax.struct.dataclass
+class EnsembleEvalMetrics(metrics.Collection):
+  """Metrics of the ensemble's mean probabilities and of its individual members.
+
+  `member_*` and `disagreement` are computed per member; strategies merge
+  them over members, which averages them. `disagreement` is the fraction of
+  examples on which a member's argmax differs from the ensemble's argmax,
+  averaged over members.
+  """
+
+  ensemble_accuracy: metrics.Average.from_output("ensemble_correct")
+  member_accuracy: metrics.Average.from_output("member_correct")
+  ensemble_nll: metrics.Average.from_output("ensemble_nll")
+  member_nll: metrics.Average.from_output("member_nll")
+  ensemble_ece: CalibrationError.from_output("ensemble_probs")
+  disagreement: metrics.Average.from_output("disagrees")
 
 
 def merge_all(collections: Sequence[metrics.Collection]) -> metrics.Collection:

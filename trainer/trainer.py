@@ -87,6 +87,8 @@ class Trainer(abc.ABC):
     self.model = self.build_model()
     self.optimizer = self.build_optimizer()
     self._compiled: dict[str, Callable] = {}
+    #: (step, results) of every evaluation `fit` ran, oldest first.
+    self.eval_history: list[tuple[int, dict[str, float]]] = []
 
   # -- Hooks a research project overrides ------------------------------------
 
@@ -191,7 +193,9 @@ class Trainer(abc.ABC):
         leading axis); consumed one per step.
       num_steps: the step to stop at.
       state: the state to continue from; created from `config.seed` if None.
-      eval_batches: returns a fresh iterable of eval batches for each evaluation.
+      eval_batches: returns a fresh iterable of eval batches for each evaluation;
+        evaluations run every `eval_every_steps` and at the last step, and are
+        appended to `self.eval_history`.
       writer: where scalars go; console logging if None.
 
     Returns:
@@ -217,18 +221,28 @@ class Trainer(abc.ABC):
       if step % log_every == 0 or step == num_steps:
         merged = metrics_lib.merge_all([self.strategy.metrics_to_host(m) for m in pending])
         scalars = {f"train/{k}": v for k, v in metrics_lib.scalars(merged).items()}
-        scalars["train/steps_per_sec"] = len(pending) / (time.perf_counter() - tick)
+        scalars.update(self._progress(step, num_steps, len(pending), time.perf_counter() - tick))
         writer.write_scalars(step, scalars)
         pending, tick = [], time.perf_counter()
       if eval_batches is not None and (
           (eval_every and step % eval_every == 0) or step == num_steps):
         results = self.evaluate(state, eval_batches())
+        self.eval_history.append((step, results))
         writer.write_scalars(step, {f"eval/{k}": v for k, v in results.items()})
         tick = time.perf_counter()
       if step < num_steps:
         batch = next(batches)
     writer.flush()
     return state
+
+  def _progress(self, step: int, num_steps: int, steps: int, seconds: float) -> dict[str, float]:
+    """Throughput scalars for a log interval, and a console line with the ETA."""
+    steps_per_sec = steps / max(seconds, 1e-9)
+    examples_per_sec = steps_per_sec * self.config.batch_size
+    eta = (num_steps - step) / steps_per_sec
+    logging.info("step %d/%d: %.2f steps/s, %.0f examples/s, ETA %dm%02ds", step, num_steps,
+                 steps_per_sec, examples_per_sec, eta // 60, eta % 60)
+    return {"train/steps_per_sec": steps_per_sec, "train/examples_per_sec": examples_per_sec}
 
   def evaluate(self, state: TrainState, batches: Iterable[Batch]) -> dict[str, float]:
     """Eval metrics over all `batches`, padding short ones and masking the padding."""

@@ -1,0 +1,124 @@
+"""The MNIST ensemble example through its real entry point.
+
+One test runs the real MNIST files through TFDS in a subprocess (the entry
+point sets its own 8 CPU devices from `config.num_cpu_devices`); the others
+run the same `train_and_evaluate` in-process on `tfds.testing.mock_data`.
+"""
+
+import importlib
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import tensorflow_datasets as tfds
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+MNIST_DIR = ROOT.parent / "shared" / "data" / "mnist"
+EXAMPLE = ROOT / "examples" / "mnist_ensemble.py"
+
+ENSEMBLE_KEYS = {"ensemble_accuracy", "member_accuracy", "ensemble_nll", "member_nll",
+                 "ensemble_ece", "disagreement"}
+SINGLE_KEYS = {"accuracy", "nll", "ece"}
+
+
+def _read_jsonl(path):
+  return [json.loads(line) for line in pathlib.Path(path).read_text().splitlines()]
+
+
+def _example_env():
+  env = dict(os.environ)
+  env.pop("XLA_FLAGS", None)  # The entry point must make its devices itself.
+  env["PYTHONPATH"] = str(ROOT)
+  return env
+
+
+def _mnist_files_or_skip():
+  if not all((MNIST_DIR / f).is_file() for f in ("train-images-idx3-ubyte.gz",
+                                                  "t10k-labels-idx1-ubyte.gz")):
+    if os.environ.get("CI") == "true":
+      pytest.fail(f"the real MNIST files are missing from {MNIST_DIR}; CI must run this test")
+    pytest.skip(f"real MNIST files not found in {MNIST_DIR}")
+
+
+def test_real_mnist_ensemble_through_the_entry_point(tmp_path):
+  _mnist_files_or_skip()
+  workdir = tmp_path / "workdir"
+  result = subprocess.run(
+      [sys.executable, str(EXAMPLE), f"--workdir={workdir}",
+       f"--config={ROOT / 'configs' / 'mnist_ensemble.py'}",
+       "--config.num_train_steps=200", "--config.log_every_steps=50",
+       f"--config.data.manual_dir={MNIST_DIR}", f"--config.data.data_dir={tmp_path / 'tfds'}"],
+      cwd=tmp_path, env=_example_env(), capture_output=True, text=True, timeout=900)
+  assert result.returncode == 0, result.stderr[-5000:]
+  assert "CPU devices: 8" in result.stderr
+
+  records = _read_jsonl(workdir / "metrics.jsonl")
+  evals = [r for r in records if r["split"] == "eval"]
+  assert [r["step"] for r in evals] == [200]
+  final = evals[-1]
+  assert ENSEMBLE_KEYS <= set(final)
+  assert final["ensemble_accuracy"] >= 0.95, final
+  assert [r["step"] for r in records if r["split"] == "train"] == [50, 100, 150, 200]
+  assert all({"loss", "accuracy", "steps_per_sec", "examples_per_sec"} <= set(r)
+             for r in records if r["split"] == "train")
+  assert "ETA" in result.stderr
+
+  # TensorBoard events hold the same scalars.
+  import tensorflow as tf
+  events = list(workdir.glob("events.out.tfevents.*"))
+  assert len(events) == 1
+  tags = {v.tag for e in tf.compat.v1.train.summary_iterator(str(events[0]))
+          for v in e.summary.value}
+  assert {"train/loss", "eval/ensemble_accuracy", "eval/ensemble_ece"} <= tags
+  # TFDS prepared MNIST from the IDX files into the configured data_dir.
+  assert list((tmp_path / "tfds" / "mnist").glob("*/mnist-train.tfrecord*"))
+
+
+@pytest.fixture(scope="module")
+def example():
+  sys.path.insert(0, str(EXAMPLE.parent))
+  try:
+    return importlib.import_module("mnist_ensemble")
+  finally:
+    sys.path.remove(str(EXAMPLE.parent))
+
+
+@pytest.mark.parametrize("config_name,strategy,keys", [
+    ("mnist_ensemble", None, ENSEMBLE_KEYS),
+    ("mnist_data_parallel", None, SINGLE_KEYS),
+    ("mnist_sharded", None, SINGLE_KEYS),
+    ("mnist_ensemble", "single_device", SINGLE_KEYS),
+    ("mnist_ensemble", "sharded_data_parallel", SINGLE_KEYS),
+])
+def test_each_config_trains_on_mock_data(example, tmp_path, config_name, strategy, keys):
+  config = importlib.import_module(f"configs.{config_name}").get_config()
+  if strategy:
+    config.strategy.name = strategy  # The only change needed to switch strategy.
+  config.batch_size = 16
+  config.eval_batch_size = 16
+  config.num_train_steps = 6
+  config.log_every_steps = 3
+  config.eval_every_steps = 3
+  config.data.manual_dir = ""
+  with tfds.testing.mock_data(num_examples=40):
+    results = example.train_and_evaluate(config, str(tmp_path))
+  assert set(results) == keys
+  records = _read_jsonl(tmp_path / "metrics.jsonl")
+  assert [(r["step"], r["split"]) for r in records] == [
+      (3, "train"), (3, "eval"), (6, "train"), (6, "eval")]
+  assert set(records[-1]) == keys | {"step", "split"}
+  assert records[-1] == {"step": 6, "split": "eval", **results}
+
+
+def test_unknown_config_field_fails_before_reading_data(tmp_path):
+  result = subprocess.run(
+      [sys.executable, str(EXAMPLE), f"--workdir={tmp_path / 'workdir'}",
+       "--config.ensemble_sise=4", f"--config.data.data_dir={tmp_path / 'tfds'}"],
+      cwd=tmp_path, env=_example_env(), capture_output=True, text=True, timeout=300)
+  assert result.returncode != 0
+  assert "ensemble_sise" in result.stderr
+  assert not (tmp_path / "tfds").exists()
+  assert not (tmp_path / "workdir").exists()

@@ -1,0 +1,151 @@
+"""Image-classification data through tensorflow-datasets.
+
+TFDS prepares the dataset (offline from the original files when
+`config.data.manual_dir` is set), and the splits are read once into host
+memory. The training order is a pure function of (seed, step): epoch e is the
+permutation `default_rng((seed, e))`, so a run resumed at any step sees the
+same batches as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gzip
+import os
+import struct
+import zlib
+from collections.abc import Iterator
+
+import ml_collections
+import numpy as np
+import tensorflow_datasets as tfds
+
+#: Where `data.manual_dir` comes from when the config leaves it empty.
+MANUAL_DIR_ENV = "TFDS_MANUAL_DIR"
+
+# The original IDX files of MNIST (what TFDS's mnist builder downloads), with
+# their magic number and the shape each one must hold.
+MNIST_FILES = {
+    "train-images-idx3-ubyte.gz": (2051, (60000, 28, 28)),
+    "train-labels-idx1-ubyte.gz": (2049, (60000,)),
+    "t10k-images-idx3-ubyte.gz": (2051, (10000, 28, 28)),
+    "t10k-labels-idx1-ubyte.gz": (2049, (10000,)),
+}
+MANUAL_FILES = {"mnist": MNIST_FILES}
+
+
+def check_idx_file(path: str, magic: int, shape: tuple[int, ...]) -> None:
+  """Checks that a gzipped IDX file is complete and holds `shape` unsigned bytes.
+
+  Raises:
+    FileNotFoundError: the file is missing.
+    ValueError: the file is not gzip, is truncated, or has the wrong header or size.
+  """
+  if not os.path.isfile(path):
+    raise FileNotFoundError(f"MNIST file {path} is missing from config.data.manual_dir.")
+  try:
+    with gzip.open(path, "rb") as f:
+      raw = f.read()
+  except (OSError, EOFError, zlib.error) as e:
+    raise ValueError(f"MNIST file {path} is corrupt: not a complete gzip file ({e}).") from e
+  header = 4 + 4 * len(shape)
+  if len(raw) < header:
+    raise ValueError(f"MNIST file {path} is corrupt: {len(raw)} bytes is shorter than "
+                     f"its IDX header.")
+  got_magic, *dims = struct.unpack(f">{1 + len(shape)}I", raw[:header])
+  expected_size = header + int(np.prod(shape))
+  if got_magic != magic or tuple(dims) != shape or len(raw) != expected_size:
+    raise ValueError(
+        f"MNIST file {path} is corrupt: IDX magic {got_magic}, dims {tuple(dims)}, "
+        f"{len(raw)} bytes; expected magic {magic}, dims {shape}, {expected_size} bytes.")
+
+
+def prepare(name: str, data_dir: str | None, manual_dir: str | None):
+  """Returns a TFDS builder whose data is prepared, offline if `manual_dir` is set.
+
+  Raises:
+    FileNotFoundError, ValueError: a file in `manual_dir` is missing or corrupt.
+    RuntimeError: preparing without `manual_dir` failed (typically: no network).
+  """
+  builder = tfds.builder(name, data_dir=data_dir or None)
+  if manual_dir:
+    for filename, (magic, shape) in MANUAL_FILES.get(name, {}).items():
+      check_idx_file(os.path.join(manual_dir, filename), magic, shape)
+    builder.download_and_prepare(
+        download_config=tfds.download.DownloadConfig(manual_dir=manual_dir))
+    return builder
+  try:
+    builder.download_and_prepare()
+  except Exception as e:  # Network errors surface as many types; the fix is the same.
+    files = ", ".join(MANUAL_FILES.get(name, {})) or "the dataset's original files"
+    raise RuntimeError(
+        f"TFDS could not download and prepare {name!r} into "
+        f"{data_dir or 'the default TFDS data_dir'} ({type(e).__name__}: {e}). Without "
+        f"network access, put {files} in a directory and set config.data.manual_dir (or "
+        f"the {MANUAL_DIR_ENV} environment variable) to it.") from e
+  return builder
+
+
+@dataclasses.dataclass(frozen=True)
+class Split:
+  """One split in host memory: uint8 images [N, H, W, C] and int32 labels [N]."""
+
+  images: np.ndarray
+  labels: np.ndarray
+
+  def __len__(self) -> int:
+    return len(self.labels)
+
+  def batch(self, indices: np.ndarray) -> dict[str, np.ndarray]:
+    return {"image": self.images[indices].astype(np.float32) / 255.0,
+            "label": self.labels[indices]}
+
+
+def load_split(builder, split: str, chunk: int = 10_000) -> Split:
+  """Reads a whole prepared split into host memory.
+
+  Reads in chunks rather than with `batch_size=-1`, which aborts TensorFlow on
+  datasets of unknown cardinality (such as `tfds.testing.mock_data`'s).
+  """
+  chunks = list(tfds.as_numpy(builder.as_dataset(split=split, batch_size=chunk)))
+  return Split(images=np.concatenate([c["image"] for c in chunks]).astype(np.uint8),
+               labels=np.concatenate([c["label"] for c in chunks]).astype(np.int32))
+
+
+def train_batches(split: Split, batch_size: int, seed: int,
+                  start_step: int = 0) -> Iterator[dict[str, np.ndarray]]:
+  """Endless shuffled batches; batch s is a pure function of (seed, s).
+
+  Each epoch is a fresh permutation; the last partial batch of an epoch is
+  dropped, so every training batch has the global batch size.
+
+  Raises:
+    ValueError: the split holds fewer examples than one batch.
+  """
+  steps_per_epoch = len(split) // batch_size
+  if steps_per_epoch == 0:
+    raise ValueError(f"config.batch_size={batch_size} exceeds the {len(split)} training "
+                     f"examples.")
+  step, epoch, order = start_step, None, None
+  while True:
+    e, i = divmod(step, steps_per_epoch)
+    if e != epoch:
+      epoch, order = e, np.random.default_rng((seed, e)).permutation(len(split))
+    yield split.batch(order[i * batch_size:(i + 1) * batch_size])
+    step += 1
+
+
+def eval_batches(split: Split, batch_size: int) -> Iterator[dict[str, np.ndarray]]:
+  """The whole split in order; the last batch may be short (the Trainer pads it)."""
+  for start in range(0, len(split), batch_size):
+    yield split.batch(np.arange(start, min(start + batch_size, len(split))))
+
+
+def num_train_steps(config: ml_collections.ConfigDict, num_train_examples: int) -> int:
+  """`num_train_steps` when positive, else `num_epochs` whole epochs of batches."""
+  if config.num_train_steps > 0:
+    return config.num_train_steps
+  if config.num_epochs <= 0:
+    raise ValueError(f"config.num_epochs={config.num_epochs} must be positive when "
+                     f"config.num_train_steps={config.num_train_steps} is not.")
+  return config.num_epochs * (num_train_examples // config.batch_size)
