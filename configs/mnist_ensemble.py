@@ -17,8 +17,10 @@ def get_config() -> ml_collections.ConfigDict:
   config = base.get_config()
   config.ensemble_size = 8  # Members; pmap_ensemble needs one device per member.
   # On a CPU-only host the entry point makes this many host devices before jax
-  # starts (0: leave jax's default). Ignored on GPU/TPU.
-  config.num_cpu_devices = 8
+  # starts (0: leave jax's default); it follows ensemble_size unless set, so
+  # `--config.ensemble_size=16` alone runs 16 members. Ignored on GPU/TPU.
+  # A derived reference: it follows ensemble_size, and setting it leaves ensemble_size alone.
+  config.num_cpu_devices = config.get_ref("ensemble_size").identity()
 
   config.batch_size = 128
   config.eval_batch_size = 500  # Divisible by 8 data replicas; the test split is 10000.
@@ -38,8 +40,4 @@ def get_config() -> ml_collections.ConfigDict:
   config.data.manual_dir = os.environ.get("TFDS_MANUAL_DIR", "")
   # Where TFDS keeps prepared datasets. Empty: $TFDS_DATA_DIR or ~/tensorflow_datasets.
   config.data.data_dir = os.environ.get("TFDS_DATA_DIR", "")
-
-  config.checkpoint = ml_collections.ConfigDict()
-  config.checkpoint.every_steps = 1000
-  config.checkpoint.max_to_keep = 3
   return config

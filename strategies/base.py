@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 PyTree = Any
@@ -101,6 +102,10 @@ class Strategy(abc.ABC):
   def replica_rng(self, rng: jax.Array) -> jax.Array:
     """Makes a step RNG distinct per data replica where each replica sees a shard."""
     return rng
+
+  def member_index(self) -> jax.Array:
+    """Which ensemble member the step is running for (0 without an ensemble)."""
+    return jnp.zeros((), jnp.int32)
 
   # -- Host views --------------------------------------------------------------
 

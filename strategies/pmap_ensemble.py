@@ -69,6 +69,9 @@ class PmapEnsemble(Strategy):
   def mean_over_members(self, tree: PyTree) -> PyTree:
     return jax.lax.pmean(tree, AXIS)
 
+  def member_index(self) -> jax.Array:
+    return jax.lax.axis_index(AXIS)
+
   def metrics_to_host(self, metrics: PyTree) -> PyTree:
     # Member metrics differ per device; merging them averages over members.
     return jax.device_get(metrics).reduce()

@@ -79,10 +79,16 @@ def test_ensemble_eval_reports_ensemble_and_member_metrics(ensemble_run, member_
   np.testing.assert_allclose(results["ensemble_nll"], ensemble_nll, rtol=1e-4)
   disagreement = (member_probs.argmax(-1) != ensemble_probs.argmax(-1)).mean()
   np.testing.assert_allclose(results["disagreement"], disagreement, rtol=1e-6)
-  # ECE of the ensemble with 15 equal-width bins, computed directly.
-  confidence = ensemble_probs.max(-1)
-  correct = ensemble_probs.argmax(-1) == labels
-  bins = np.clip(np.ceil(confidence * 15).astype(int) - 1, 0, 14)
-  ece = sum(abs(correct[bins == b].sum() - confidence[bins == b].sum())
-            for b in range(15)) / 16
+  # ECE with 15 equal-width bins, computed directly.
+  ece = _ece(ensemble_probs, labels)
   np.testing.assert_allclose(results["ensemble_ece"], ece, rtol=1e-4, atol=1e-6)
+  member_eces = [_ece(p, labels) for p in member_probs]
+  np.testing.assert_allclose(results["member_ece"], np.mean(member_eces), rtol=1e-4, atol=1e-6)
+
+
+def _ece(probs, labels, num_bins=15):
+  confidence = probs.max(-1)
+  correct = probs.argmax(-1) == labels
+  bins = np.clip(np.ceil(confidence * num_bins).astype(int) - 1, 0, num_bins - 1)
+  return sum(abs(correct[bins == b].sum() - confidence[bins == b].sum())
+             for b in range(num_bins)) / len(labels)

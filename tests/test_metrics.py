@@ -67,6 +67,7 @@ def test_ensemble_collection_merged_over_members_by_hand():
         ensemble_nll=metrics.nll(jnp.asarray(ensemble), jnp.asarray(labels)),
         member_nll=metrics.nll(jnp.asarray(members[m]), jnp.asarray(labels)),
         ensemble_probs=jnp.asarray(ensemble),
+        probs=jnp.asarray(members[m]), member_index=m, num_members=3,
         disagrees=jnp.asarray(argmax != ensemble.argmax(-1), jnp.float32),
         labels=jnp.asarray(labels), mask=jnp.ones(3)))
   stacked = jax.tree.map(lambda *x: jnp.stack(x), *per_member)
@@ -80,3 +81,13 @@ def test_ensemble_collection_merged_over_members_by_hand():
   # Ensemble confidences 0.5 (bin 7), 0.5 (bin 7), 0.4667 (bin 7): 2 right of 3.
   conf = ensemble.max(-1).sum()
   assert got["ensemble_ece"] == pytest.approx(abs(2 - conf) / 3, rel=1e-5)
+  # Each member's own ECE (one example per bin here except where noted), then the mean:
+  # member 0: conf .7 right, .5 wrong, .5 wrong (bin 7 twice) -> (.3 + |0 - 1.0|) / 3
+  # member 1: conf .6 right, .6 right (bin 8 twice), .8 wrong -> (|2 - 1.2| + .8) / 3
+  # member 2: conf .7 wrong, .5 right, .4 wrong (bins 10, 7, 5) -> (.7 + .5 + .4) / 3
+  member_eces = [(0.3 + 1.0) / 3, (0.8 + 0.8) / 3, (0.7 + 0.5 + 0.4) / 3]
+  assert got["member_ece"] == pytest.approx(np.mean(member_eces), rel=1e-5)
+  # Pooling all members into one set of bins would give a different (smaller) number.
+  pooled = metrics.CalibrationError.from_probs(
+      jnp.asarray(members.reshape(-1, 3)), jnp.zeros(9, jnp.int32)).compute()
+  assert float(pooled) < got["member_ece"] - 0.05

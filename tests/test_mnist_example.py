@@ -20,7 +20,7 @@ MNIST_DIR = ROOT.parent / "shared" / "data" / "mnist"
 EXAMPLE = ROOT / "examples" / "mnist_ensemble.py"
 
 ENSEMBLE_KEYS = {"ensemble_accuracy", "member_accuracy", "ensemble_nll", "member_nll",
-                 "ensemble_ece", "disagreement"}
+                 "ensemble_ece", "member_ece", "disagreement"}
 SINGLE_KEYS = {"accuracy", "nll", "ece"}
 
 
@@ -122,3 +122,12 @@ def test_unknown_config_field_fails_before_reading_data(tmp_path):
   assert "ensemble_sise" in result.stderr
   assert not (tmp_path / "tfds").exists()
   assert not (tmp_path / "workdir").exists()
+
+
+def test_cpu_devices_follow_the_ensemble_size_unless_set():
+  config = importlib.import_module("configs.mnist_ensemble").get_config()
+  assert config.num_cpu_devices == config.ensemble_size == 8
+  config.ensemble_size = 16
+  assert config.num_cpu_devices == 16
+  config.num_cpu_devices = 4
+  assert (config.ensemble_size, config.num_cpu_devices) == (16, 4)

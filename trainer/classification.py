@@ -47,6 +47,9 @@ class ClassificationTrainer(Trainer):
         ensemble_nll=metrics_lib.nll(ensemble_probs, labels),
         member_nll=metrics_lib.nll(probs, labels),
         ensemble_probs=ensemble_probs,
+        probs=probs,
+        member_index=self.strategy.member_index(),
+        num_members=self.strategy.num_members,
         disagrees=(member_argmax != ensemble_argmax).astype(jnp.float32),
         labels=labels,
         mask=mask)

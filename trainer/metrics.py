@@ -78,6 +78,44 @@ class CalibrationError(metrics.Metric):
     return jnp.abs(self.correct - self.confidence).sum() / jnp.maximum(self.count.sum(), 1)
 
 
+@flax.struct.dataclass
+class MemberCalibrationError(metrics.Metric):
+  """The mean over ensemble members of each member's own ECE.
+
+  Pooling all members' examples into one set of bins would let one member's
+  over-confidence cancel another's under-confidence, so the bins keep a member
+  axis: `[num_members, ECE_BINS]`, where a step fills row `member_index`.
+  Merging over batches, steps and members is then an exact sum.
+  """
+
+  count: jax.Array
+  confidence: jax.Array
+  correct: jax.Array
+
+  @classmethod
+  def empty(cls) -> "MemberCalibrationError":
+    zeros = jnp.zeros((1, ECE_BINS), jnp.float32)  # One member; merge needs equal shapes.
+    return cls(count=zeros, confidence=zeros, correct=zeros)
+
+  @classmethod
+  def from_model_output(cls, *, probs, labels, member_index, num_members, mask=None,
+                        **_) -> "MemberCalibrationError":
+    bins = CalibrationError.from_probs(probs, labels, mask)
+    row = jax.nn.one_hot(member_index, num_members)[:, None]
+    return cls(count=row * bins.count, confidence=row * bins.confidence,
+               correct=row * bins.correct)
+
+  def merge(self, other: "MemberCalibrationError") -> "MemberCalibrationError":
+    return type(self)(count=self.count + other.count,
+                      confidence=self.confidence + other.confidence,
+                      correct=self.correct + other.correct)
+
+  def compute(self) -> jax.Array:
+    per_member = (jnp.abs(self.correct - self.confidence).sum(-1)
+                  / jnp.maximum(self.count.sum(-1), 1))
+    return per_member.mean()
+
+
 def nll(probs: jax.Array, labels: jax.Array) -> jax.Array:
   """Per-example negative log-likelihood of integer labels under probabilities."""
   p = jnp.take_along_axis(probs, labels[..., None], axis=-1)[..., 0]
@@ -96,7 +134,8 @@ class EnsembleEvalMetrics(metrics.Collection):
   """Metrics of the ensemble's mean probabilities and of its individual members.
 
   `member_*` and `disagreement` are computed per member; strategies merge
-  them over members, which averages them. `disagreement` is the fraction of
+  them over members, which averages them (`member_ece` is the mean of the
+  members' own ECEs, see `MemberCalibrationError`). `disagreement` is the fraction of
   examples on which a member's argmax differs from the ensemble's argmax,
   averaged over members.
   """
@@ -106,6 +145,7 @@ class EnsembleEvalMetrics(metrics.Collection):
   ensemble_nll: metrics.Average.from_output("ensemble_nll")
   member_nll: metrics.Average.from_output("member_nll")
   ensemble_ece: CalibrationError.from_output("ensemble_probs")
+  member_ece: MemberCalibrationError
   disagreement: metrics.Average.from_output("disagrees")
 
 

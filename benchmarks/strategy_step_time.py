@@ -1,0 +1,80 @@
+r"""MNIST CNN train-step time under each strategy, against single_device in the same run.
+
+    python benchmarks/strategy_step_time.py [--devices 8] [--steps 30] [--batch 128]
+
+Batches are random MNIST-shaped arrays (the step's cost does not depend on the
+values). Each strategy is compiled and warmed up, then timed over `--steps`
+steps with one host sync at the end, as the Trainer's loop runs between log
+steps. Ratios are to single_device in the same run (machines are noisy; compare
+ratios). An ensemble step trains `devices` models, so its per-model cost is
+also shown.
+"""
+
+import argparse
+import os
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--devices", type=int, default=8, help="host CPU devices to make")
+  parser.add_argument("--steps", type=int, default=30)
+  parser.add_argument("--batch", type=int, default=128)
+  args = parser.parse_args()
+
+  from trainer.devices import set_num_cpu_devices
+  set_num_cpu_devices(args.devices)
+
+  import jax
+  import numpy as np
+
+  import models
+  from configs import mnist_ensemble
+  from trainer import ClassificationTrainer
+
+  class MNISTTrainer(ClassificationTrainer):
+    def build_model(self):
+      return models.CNN(num_classes=10)
+
+  rng = np.random.default_rng(0)
+  batches = [{"image": rng.random((args.batch, 28, 28, 1), dtype=np.float32),
+              "label": rng.integers(0, 10, args.batch).astype(np.int32)} for _ in range(4)]
+  n = jax.device_count()
+  print(f"jax {jax.__version__}, backend {jax.default_backend()}, {n} devices, "
+        f"batch {args.batch}, {args.steps} timed steps")
+
+  rows = []
+  for name in ["single_device", "pmap_data_parallel", "sharded_data_parallel", "pmap_ensemble"]:
+    config = mnist_ensemble.get_config()
+    config.strategy.name = name
+    config.ensemble_size = n
+    config.batch_size = args.batch
+    config.eval_batch_size = args.batch
+    trainer = MNISTTrainer(config)
+    state = trainer.init_state(batches[0])
+    step = trainer.strategy.compile_train_step(trainer.train_step, state)
+    placed = [trainer.strategy.put_batch(b) for b in batches]
+    for i in range(3):  # Compile and warm up.
+      state, metrics = step(state, placed[i % len(placed)])
+    jax.block_until_ready((state, metrics))
+    start = time.perf_counter()
+    for i in range(args.steps):
+      state, metrics = step(state, placed[i % len(placed)])
+    jax.block_until_ready((state, metrics))
+    seconds = (time.perf_counter() - start) / args.steps
+    rows.append((name, trainer.strategy.num_members, seconds))
+
+  base = rows[0][2]
+  print(f"{'strategy':24s} {'models':>6s} {'s/step':>9s} {'vs single':>10s} "
+        f"{'s/model-step':>13s} {'vs single':>10s}")
+  for name, members, seconds in rows:
+    print(f"{name:24s} {members:6d} {seconds:9.4f} {seconds / base:9.2f}x "
+          f"{seconds / members:13.4f} {seconds / members / base:9.2f}x")
+
+
+if __name__ == "__main__":
+  main()
