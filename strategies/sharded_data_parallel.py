@@ -134,7 +134,6 @@ class ShardedDataParallel(Strategy):
       with self._context():
         return jitted(*args)
 
-    call.jitted = jitted  # For lowering and inspecting the compiled program.
     return call
 
   def compile_train_step(self, step_fn: StepFn, state: PyTree) -> StepFn:

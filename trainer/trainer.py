@@ -211,7 +211,7 @@ class Trainer(abc.ABC):
     log_every = self.config.get("log_every_steps", 100)
     eval_every = self.config.get("eval_every_steps", 0)
 
-    step = int(jax.device_get(self.strategy.to_canonical(state.step)).reshape(-1)[0])
+    step = int(np.ravel(self.strategy.to_canonical(state.step))[0])  # Members step together.
     pending: list[PyTree] = []  # Step metrics stay on device until the next log.
     batch, tick = first, time.perf_counter()
     while step < num_steps:
