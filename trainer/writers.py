@@ -21,7 +21,9 @@ class JsonlWriter(metric_writers.MetricWriter):
   """
 
   def __init__(self, path: str):
-    self._file = open(path, "a", encoding="utf-8")  # noqa: SIM115 -- closed by close().
+    # Line-buffered: each record is on disk as soon as it is written, so a long
+    # run can be followed with `tail -f` and a crash loses nothing written.
+    self._file = open(path, "a", encoding="utf-8", buffering=1)  # noqa: SIM115 -- close().
 
   def write_scalars(self, step: int, scalars: Mapping[str, Any]):
     by_split: dict[str | None, dict[str, float]] = {}
