@@ -17,9 +17,9 @@ def get_config() -> ml_collections.ConfigDict:
   config = base.get_config()
   config.ensemble_size = 8  # Members; pmap_ensemble needs one device per member.
   # On a CPU-only host the entry point makes this many host devices before jax
-  # starts (0: leave jax's default); it follows ensemble_size unless set, so
-  # `--config.ensemble_size=16` alone runs 16 members. Ignored on GPU/TPU.
-  # A derived reference: it follows ensemble_size, and setting it leaves ensemble_size alone.
+  # starts (0: leave jax's default). Ignored on GPU/TPU. A derived reference:
+  # it follows ensemble_size (`--config.ensemble_size=16` alone runs 16
+  # members), and setting it leaves ensemble_size alone.
   config.num_cpu_devices = config.get_ref("ensemble_size").identity()
 
   config.batch_size = 128

@@ -45,11 +45,10 @@ def train_and_evaluate(config, workdir: str) -> dict[str, float]:
 
   writer = writers.create_writer(workdir)
   writer.write_hparams(config.to_dict())
-  state = trainer.fit(
+  trainer.fit(
       data.train_batches(train, config.batch_size, config.seed), num_steps=num_steps,
       eval_batches=lambda: data.eval_batches(test, config.eval_batch_size), writer=writer)
   writer.close()
-  del state  # Checkpointed state arrives with checkpointing (issue 3 in the tracker).
   return trainer.eval_history[-1][1]
 
 

@@ -75,22 +75,21 @@ class CalibrationError(metrics.Metric):
                       correct=self.correct + other.correct)
 
   def compute(self) -> jax.Array:
-    return jnp.abs(self.correct - self.confidence).sum() / jnp.maximum(self.count.sum(), 1)
+    # The bins are the last axis; any leading axis (members) is averaged over.
+    gaps = jnp.abs(self.correct - self.confidence).sum(-1)
+    return (gaps / jnp.maximum(self.count.sum(-1), 1)).mean()
 
 
 @flax.struct.dataclass
-class MemberCalibrationError(metrics.Metric):
+class MemberCalibrationError(CalibrationError):
   """The mean over ensemble members of each member's own ECE.
 
   Pooling all members' examples into one set of bins would let one member's
   over-confidence cancel another's under-confidence, so the bins keep a member
   axis: `[num_members, ECE_BINS]`, where a step fills row `member_index`.
-  Merging over batches, steps and members is then an exact sum.
+  Merging over batches, steps and members is then an exact sum, and
+  `compute` averages the per-row ECEs.
   """
-
-  count: jax.Array
-  confidence: jax.Array
-  correct: jax.Array
 
   @classmethod
   def empty(cls) -> "MemberCalibrationError":
@@ -104,16 +103,6 @@ class MemberCalibrationError(metrics.Metric):
     row = jax.nn.one_hot(member_index, num_members)[:, None]
     return cls(count=row * bins.count, confidence=row * bins.confidence,
                correct=row * bins.correct)
-
-  def merge(self, other: "MemberCalibrationError") -> "MemberCalibrationError":
-    return type(self)(count=self.count + other.count,
-                      confidence=self.confidence + other.confidence,
-                      correct=self.correct + other.correct)
-
-  def compute(self) -> jax.Array:
-    per_member = (jnp.abs(self.correct - self.confidence).sum(-1)
-                  / jnp.maximum(self.count.sum(-1), 1))
-    return per_member.mean()
 
 
 def nll(probs: jax.Array, labels: jax.Array) -> jax.Array:
