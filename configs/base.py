@@ -16,6 +16,18 @@ def get_config() -> ml_collections.ConfigDict:
   config.log_every_steps = 100
   config.eval_every_steps = 0  # 0: evaluate only at the end.
 
+  # A non-finite loss or gradient norm: "stop" raises naming the step (the
+  # latest checkpoint stays the last finite state); "skip" leaves the update
+  # out, counts it (train/skipped_steps) and goes on.
+  config.nonfinite = "stop"
+
+  # Orbax checkpoints in <workdir>/checkpoints (when the entry point has a
+  # workdir). A run in a workdir that holds one resumes from the latest.
+  config.checkpoint = ml_collections.ConfigDict()
+  config.checkpoint.every_steps = 1000  # Also at the end and on SIGTERM; 0: only then.
+  config.checkpoint.max_to_keep = 3
+  config.checkpoint.async_save = True  # Training continues while a save is written.
+
   config.optimizer = "sgd"  # One of trainer.optim.OPTIMIZERS.
   config.learning_rate = 0.1
   config.momentum = 0.9

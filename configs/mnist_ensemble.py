@@ -28,6 +28,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.num_train_steps = -1  # > 0 overrides num_epochs.
   config.log_every_steps = 100
   config.eval_every_steps = 0  # 0: evaluate at the end only.
+  config.checkpoint.every_steps = 468  # One epoch at batch 128.
   config.learning_rate = 0.1
   config.momentum = 0.9
 

@@ -3,7 +3,10 @@ r"""Trains an MNIST CNN ensemble (or one CNN) under any registered strategy.
     python examples/mnist_ensemble.py --config=configs/mnist_ensemble.py \
         --workdir=/tmp/mnist_ensemble [--config.strategy.name=pmap_data_parallel]
 
-TensorBoard event files and `metrics.jsonl` go to `--workdir`.
+TensorBoard event files, `metrics.jsonl` and orbax checkpoints
+(`checkpoints/<step>`) go to `--workdir`. Running the same command again in
+the same workdir resumes from the latest complete checkpoint; on SIGTERM the
+run saves a checkpoint and exits 0.
 """
 
 import os
@@ -23,20 +26,22 @@ flags.DEFINE_string("workdir", None, "Directory for TensorBoard events and metri
 flags.mark_flags_as_required(["workdir"])
 
 
-def train_and_evaluate(config, workdir: str) -> dict[str, float]:
-  """Trains as `config` says and returns the final eval metrics.
+def train_and_evaluate(config, workdir: str) -> dict[str, float] | None:
+  """Trains as `config` says and returns the final eval metrics (None if stopped early).
 
-  The Trainer is built first, so a bad strategy, mesh or batch size fails
-  before any data is read.
+  The Trainer and the checkpointer are built first, so a bad strategy, mesh,
+  batch size or checkpoint setting fails before any data is read.
   """
   import models
   from trainer import ClassificationTrainer, data, writers
+  from trainer.checkpoint import Checkpointer
 
   class MNISTTrainer(ClassificationTrainer):
     def build_model(self):
       return models.CNN(num_classes=10)
 
   trainer = MNISTTrainer(config)
+  checkpointer = Checkpointer.from_config(config, workdir)
   builder = data.prepare(config.data.name, config.data.data_dir, config.data.manual_dir)
   train, test = data.load_split(builder, "train"), data.load_split(builder, "test")
   num_steps = data.num_train_steps(config, len(train))
@@ -45,10 +50,16 @@ def train_and_evaluate(config, workdir: str) -> dict[str, float]:
 
   writer = writers.create_writer(workdir)
   writer.write_hparams(config.to_dict())
-  trainer.fit(
-      data.train_batches(train, config.batch_size, config.seed), num_steps=num_steps,
-      eval_batches=lambda: data.eval_batches(test, config.eval_batch_size), writer=writer)
-  writer.close()
+  try:
+    trainer.fit(
+        lambda start: data.train_batches(train, config.batch_size, config.seed, start),
+        num_steps=num_steps, checkpointer=checkpointer, writer=writer,
+        eval_batches=lambda: data.eval_batches(test, config.eval_batch_size))
+  finally:
+    checkpointer.close()
+    writer.close()
+  if trainer.stopped_by is not None:
+    return None
   return trainer.eval_history[-1][1]
 
 
@@ -59,6 +70,9 @@ def main(argv):
   from trainer.devices import set_num_cpu_devices
   set_num_cpu_devices(FLAGS.config.get("num_cpu_devices", 0))
   results = train_and_evaluate(FLAGS.config, FLAGS.workdir)
+  if results is None:
+    logging.info("Stopped early after saving; run the same command to resume.")
+    return
   logging.info("Final eval: %s", results)
   print(" ".join(f"{k}={v:.4f}" for k, v in sorted(results.items())))
 

@@ -47,6 +47,9 @@ class Strategy(abc.ABC):
   #: How many independently initialised models the state holds.
   num_members: int = 1
 
+  #: Whether every state array carries a leading member axis (ensembles).
+  is_ensemble: bool = False
+
   @property
   @abc.abstractmethod
   def num_data_replicas(self) -> int:
@@ -125,9 +128,39 @@ class Strategy(abc.ABC):
     """
     return jax.device_get(tree)
 
+  # -- Checkpoint layout ---------------------------------------------------------
+  # On disk a state is stored once per model: one copy of each array for a
+  # single model, a leading member axis for an ensemble. The arrays stay on
+  # devices (orbax writes each shard), nothing is gathered onto one host.
+
+  def checkpoint_state(self, state: PyTree) -> PyTree:
+    """The placed state as device arrays in the checkpoint layout."""
+    return state
+
+  @abc.abstractmethod
+  def checkpoint_target(self, abstract_state: PyTree) -> PyTree:
+    """Where restored arrays go: `ShapeDtypeStruct`s with this strategy's shardings.
+
+    Args:
+      abstract_state: the abstract state of ONE model (`jax.eval_shape` of the
+        init function); ensemble strategies add the member axis.
+    """
+
+  def from_checkpoint(self, state: PyTree) -> PyTree:
+    """Turns arrays restored into `checkpoint_target` into a placed state."""
+    return state
+
   def describe(self) -> str:
     """A one-line summary of the device layout."""
     return f"{self.name}: {self.num_members} member(s), {self.num_data_replicas} data replica(s)"
+
+
+def abstract_with_sharding(abstract: PyTree, sharding: jax.sharding.Sharding,
+                           leading: tuple[int, ...] = ()) -> PyTree:
+  """`ShapeDtypeStruct`s of `abstract`'s leaves, `leading` axes prepended, on `sharding`."""
+  return jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(leading + tuple(x.shape), x.dtype, sharding=sharding),
+      abstract)
 
 
 def first_along_leading_axis(tree: PyTree) -> PyTree:

@@ -8,7 +8,14 @@ import ml_collections
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from strategies.base import InitFn, PyTree, StepFn, Strategy, first_along_leading_axis
+from strategies.base import (
+  InitFn,
+  PyTree,
+  StepFn,
+  Strategy,
+  abstract_with_sharding,
+  first_along_leading_axis,
+)
 from strategies.registry import register
 
 AXIS = "data"
@@ -25,8 +32,9 @@ class PmapDataParallel(Strategy):
 
   def __init__(self, devices: list[jax.Device] | None = None):
     self.devices = list(devices or jax.local_devices())
-    self._batch_sharding = NamedSharding(
-        Mesh(np.array(self.devices), (AXIS,)), PartitionSpec(AXIS))
+    mesh = Mesh(np.array(self.devices), (AXIS,))
+    self._batch_sharding = NamedSharding(mesh, PartitionSpec(AXIS))
+    self._replicated = NamedSharding(mesh, PartitionSpec())
 
   @classmethod
   def from_config(cls, config: ml_collections.ConfigDict) -> PmapDataParallel:
@@ -83,3 +91,20 @@ class PmapDataParallel(Strategy):
 
   def to_canonical(self, tree: PyTree) -> PyTree:
     return first_along_leading_axis(tree)
+
+  def checkpoint_state(self, state: PyTree) -> PyTree:
+    # Every replica is the same: store device 0's copy, once.
+    return jax.tree.map(lambda x: x.addressable_shards[0].data[0], state)
+
+  def checkpoint_target(self, abstract_state: PyTree) -> PyTree:
+    # Orbax reads a full copy onto every device; `from_checkpoint` stacks them.
+    return abstract_with_sharding(abstract_state, self._replicated)
+
+  def from_checkpoint(self, state: PyTree) -> PyTree:
+    def stack(x):
+      by_device = {s.device: s.data for s in x.addressable_shards}
+      return jax.make_array_from_single_device_arrays(
+          (len(self.devices),) + x.shape, self._batch_sharding,
+          [by_device[d][None] for d in self.devices])
+
+    return jax.tree.map(stack, state)

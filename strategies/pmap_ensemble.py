@@ -9,12 +9,13 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from strategies.base import (
-    InitFn,
-    PyTree,
-    StepFn,
-    Strategy,
-    first_along_leading_axis,
-    member_rng,
+  InitFn,
+  PyTree,
+  StepFn,
+  Strategy,
+  abstract_with_sharding,
+  first_along_leading_axis,
+  member_rng,
 )
 from strategies.registry import register
 
@@ -30,6 +31,8 @@ class PmapEnsemble(Strategy):
   probabilities with `lax.pmean` over the `ensemble` axis.
   """
 
+  is_ensemble = True
+
   def __init__(self, num_members: int, devices: list[jax.Device] | None = None):
     self.devices = list(devices or jax.local_devices())
     if num_members != len(self.devices):
@@ -39,7 +42,9 @@ class PmapEnsemble(Strategy):
           f"{len(self.devices)}, or change the device count (e.g. config.num_cpu_devices "
           f"on CPU).")
     self.num_members = num_members
-    self._replicated = NamedSharding(Mesh(np.array(self.devices), (AXIS,)), PartitionSpec())
+    mesh = Mesh(np.array(self.devices), (AXIS,))
+    self._replicated = NamedSharding(mesh, PartitionSpec())
+    self._per_member = NamedSharding(mesh, PartitionSpec(AXIS))
 
   @classmethod
   def from_config(cls, config: ml_collections.ConfigDict) -> PmapEnsemble:
@@ -81,3 +86,8 @@ class PmapEnsemble(Strategy):
 
   def to_canonical(self, tree: PyTree) -> PyTree:
     return jax.device_get(tree)  # Already stacked on a leading member axis.
+
+  def checkpoint_target(self, abstract_state: PyTree) -> PyTree:
+    # Member i is read straight onto device i: the layout the pmapped step takes.
+    return abstract_with_sharding(abstract_state, self._per_member,
+                          leading=(self.num_members,))

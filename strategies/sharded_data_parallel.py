@@ -118,6 +118,15 @@ class ShardedDataParallel(Strategy):
     specs = nn.get_partition_spec(abstract_state)
     return nn.logical_to_mesh_sharding(specs, self.mesh, self.rules)
 
+  def checkpoint_target(self, abstract_state: PyTree) -> PyTree:
+    def with_sharding(x, sharding):
+      if isinstance(x, nn.Partitioned):  # The sharding tree has no boxes.
+        return x.replace_boxed(with_sharding(x.value, sharding))
+      return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
+    return jax.tree.map(with_sharding, abstract_state, self.state_shardings(abstract_state),
+                        is_leaf=lambda x: isinstance(x, nn.Partitioned))
+
   def create_state(self, init_fn: InitFn, rng: jax.Array) -> PyTree:
     with self._context():
       shardings = self.state_shardings(jax.eval_shape(init_fn, rng))

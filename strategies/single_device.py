@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import ml_collections
 
-from strategies.base import InitFn, PyTree, StepFn, Strategy
+from strategies.base import InitFn, PyTree, StepFn, Strategy, abstract_with_sharding
 from strategies.registry import register
 
 
@@ -38,3 +38,7 @@ class SingleDevice(Strategy):
   def compile_eval_step(self, eval_fn: StepFn, state: PyTree) -> StepFn:
     del state
     return jax.jit(eval_fn)
+
+  def checkpoint_target(self, abstract_state: PyTree) -> PyTree:
+    sharding = jax.sharding.SingleDeviceSharding(self.device)
+    return abstract_with_sharding(abstract_state, sharding)

@@ -131,3 +131,25 @@ def test_cpu_devices_follow_the_ensemble_size_unless_set():
   assert config.num_cpu_devices == 16
   config.num_cpu_devices = 4
   assert (config.ensemble_size, config.num_cpu_devices) == (16, 4)
+
+
+def test_rerun_in_the_same_workdir_resumes_from_the_latest_checkpoint(example, tmp_path):
+  config = importlib.import_module("configs.mnist_ensemble").get_config()
+  config.batch_size = 16
+  config.eval_batch_size = 16
+  config.num_train_steps = 6
+  config.log_every_steps = 3
+  config.checkpoint.every_steps = 3
+  config.data.manual_dir = ""
+  with tfds.testing.mock_data(num_examples=40):
+    first = example.train_and_evaluate(config, str(tmp_path))
+    steps = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert steps == ["3", "6"]
+    again = example.train_and_evaluate(config, str(tmp_path))  # Nothing left to train.
+    assert again == first
+    config.num_train_steps = 9
+    example.train_and_evaluate(config, str(tmp_path))
+  records = _read_jsonl(tmp_path / "metrics.jsonl")
+  train_steps = [r["step"] for r in records if r["split"] == "train"]
+  assert train_steps == [3, 6, 9]  # The third run started at step 6.
+  assert sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir()) == [3, 6, 9]

@@ -35,7 +35,7 @@ class ClassificationTrainer(Trainer):
     probs = jax.nn.softmax(logits, axis=-1)
     member_argmax = jnp.argmax(probs, -1)
     member_correct = (member_argmax == labels).astype(jnp.float32)
-    if self.strategy.num_members == 1:
+    if not self.strategy.is_ensemble:
       return metrics_lib.ClassificationEvalMetrics.single_from_model_output(
           correct=member_correct, nll=metrics_lib.nll(probs, labels), probs=probs,
           labels=labels, mask=mask)

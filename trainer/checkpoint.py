@@ -1,0 +1,228 @@
+"""Checkpoints through orbax, in one layout that does not depend on the strategy.
+
+On disk a checkpoint step holds two items:
+
+- `state`: the train state as a flax state dict (`params`, `opt_state`,
+  `step`, `rng`). Single-model strategies store one copy of every array
+  (never one per replica); ensemble strategies store every array with a
+  leading member axis. Sharded arrays are written shard by shard, as global
+  arrays, without gathering them onto one device.
+- `layout`: JSON saying how many members the state holds and which strategy
+  wrote it.
+
+Restoring builds the abstract state (shapes, dtypes and the destination
+strategy's shardings) and lets orbax place each array directly, so a
+checkpoint restores under any strategy that can hold it. Saves are
+asynchronous: training continues while a save is written, and a failed save
+is raised as `CheckpointError` at the next save or at `wait`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import ml_collections
+import orbax.checkpoint as ocp
+from flax import serialization
+
+PyTree = Any
+
+#: Bumped when the meaning of the on-disk layout changes.
+LAYOUT_VERSION = 1
+STATE_ITEM = "state"
+LAYOUT_ITEM = "layout"
+
+
+class CheckpointError(RuntimeError):
+  """A checkpoint cannot be saved, read, or restored into the requested state."""
+
+
+def _path_str(path: tuple) -> str:
+  return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+
+
+def check_compatible(saved: Mapping, target: Mapping, *, step: int, directory: str) -> None:
+  """Raises CheckpointError at the first array whose path or shape differs.
+
+  Args:
+    saved: the checkpoint's array metadata (objects with `.shape`), as a state dict.
+    target: the state dict to restore into (objects with `.shape`).
+  """
+  saved_leaves = dict((_path_str(p), x) for p, x in jax.tree_util.tree_leaves_with_path(saved))
+  target_leaves = dict((_path_str(p), x) for p, x in jax.tree_util.tree_leaves_with_path(target))
+  where = f"checkpoint step {step} in {directory}"
+  # Parameters first: a different model shows there before its optimizer state.
+  for path, want in sorted(target_leaves.items(), key=lambda kv: not kv[0].startswith("params")):
+    if path not in saved_leaves:
+      raise CheckpointError(
+          f"{where} has no array {path!r}, which the model being restored needs "
+          f"(shape {tuple(want.shape)}); the checkpoint belongs to a different model.")
+    have = saved_leaves[path]
+    if tuple(have.shape) != tuple(want.shape):
+      raise CheckpointError(
+          f"{where} does not fit the model: {path!r} has shape {tuple(have.shape)} in the "
+          f"checkpoint but {tuple(want.shape)} in the model being restored.")
+  extra = sorted(set(saved_leaves) - set(target_leaves))
+  if extra:
+    raise CheckpointError(
+        f"{where} holds {extra[0]!r} (shape {tuple(saved_leaves[extra[0]].shape)}), which "
+        f"the model being restored does not have; the checkpoint belongs to a different model.")
+
+
+class Checkpointer:
+  """Saves and restores train states in a directory with an orbax `CheckpointManager`.
+
+  Only complete checkpoints count: orbax writes each step into a temporary
+  directory and renames it when the write has finished, so a process killed
+  mid-save leaves the previous checkpoint as the latest.
+  """
+
+  def __init__(self, directory: str | os.PathLike, *, every_steps: int = 1000,
+               max_to_keep: int = 3, async_save: bool = True):
+    """Opens (or creates) the checkpoint directory; reads and deletes nothing.
+
+    Raises:
+      ValueError: `every_steps` is negative or `max_to_keep` is below 1.
+    """
+    if not isinstance(every_steps, int) or every_steps < 0:
+      raise ValueError(f"config.checkpoint.every_steps={every_steps!r} must be an integer "
+                       f">= 0 (0: save only at the end of training and on SIGTERM).")
+    if not isinstance(max_to_keep, int) or max_to_keep < 1:
+      raise ValueError(f"config.checkpoint.max_to_keep={max_to_keep!r} must be an integer "
+                       f">= 1.")
+    self.directory = os.path.abspath(os.fspath(directory))
+    self.every_steps = every_steps
+    if os.path.exists(self.directory) and not os.path.isdir(self.directory):
+      raise CheckpointError(f"checkpoint directory {self.directory} exists and is not a "
+                            f"directory.")
+    self._manager = ocp.CheckpointManager(
+        self.directory,
+        options=ocp.CheckpointManagerOptions(
+            max_to_keep=max_to_keep, enable_async_checkpointing=async_save, create=True,
+            # Directories are made before save() returns: a directory that cannot be
+            # made fails that call, instead of leaving orbax's writer threads waiting.
+            async_options=ocp.AsyncOptions(create_directories_asynchronously=False)),
+        item_handlers={STATE_ITEM: ocp.StandardCheckpointHandler(),
+                       LAYOUT_ITEM: ocp.JsonCheckpointHandler()})
+    self._pending_step: int | None = None  # The step of a save that may still be writing.
+
+  @classmethod
+  def from_config(cls, config: ml_collections.ConfigDict, workdir: str) -> Checkpointer:
+    """A checkpointer in `<workdir>/checkpoints` from `config.checkpoint`."""
+    c = config.checkpoint
+    return cls(os.path.join(workdir, "checkpoints"), every_steps=c.every_steps,
+               max_to_keep=c.max_to_keep, async_save=c.get("async_save", True))
+
+  # -- Steps -------------------------------------------------------------------
+
+  def all_steps(self) -> list[int]:
+    """The steps of complete checkpoints, oldest first."""
+    self._manager.reload()
+    return sorted(self._manager.all_steps())
+
+  def latest_step(self) -> int | None:
+    """The step of the newest complete checkpoint, or None."""
+    steps = self.all_steps()
+    return steps[-1] if steps else None
+
+  def step_dir(self, step: int) -> str:
+    return os.path.join(self.directory, str(step))
+
+  def is_save_step(self, step: int) -> bool:
+    """Whether the periodic schedule saves at `step` (the final step always saves)."""
+    return bool(self.every_steps) and step % self.every_steps == 0
+
+  # -- Saving ------------------------------------------------------------------
+
+  def save(self, step: int, state: PyTree, layout: Mapping[str, Any]) -> None:
+    """Starts writing `state` (canonical layout, device arrays) as checkpoint `step`.
+
+    Returns once the arrays have been copied off the devices; the files are
+    written in the background. An earlier save that failed is raised here.
+
+    Raises:
+      CheckpointError: this save, or the previous one, failed.
+    """
+    self.wait()
+    try:
+      self._manager.save(step, args=ocp.args.Composite(**{
+          STATE_ITEM: ocp.args.StandardSave(serialization.to_state_dict(state)),
+          LAYOUT_ITEM: ocp.args.JsonSave({"version": LAYOUT_VERSION, "step": step, **layout}),
+      }), force=True)
+    except Exception as e:
+      raise CheckpointError(f"saving checkpoint step {step} to {self.directory} failed: "
+                            f"{type(e).__name__}: {e}") from e
+    self._pending_step = step
+
+  def wait(self) -> None:
+    """Blocks until the last save is on disk.
+
+    Raises:
+      CheckpointError: the last save failed.
+    """
+    try:
+      self._manager.wait_until_finished()
+    except Exception as e:
+      step, self._pending_step = self._pending_step, None
+      raise CheckpointError(f"writing checkpoint step {step} to {self.directory} failed: "
+                            f"{type(e).__name__}: {e}") from e
+    self._pending_step = None
+
+  def close(self) -> None:
+    """Waits for the last save and releases orbax's resources."""
+    try:
+      self.wait()
+    finally:
+      self._manager.close()
+
+  # -- Reading -----------------------------------------------------------------
+
+  def _read_error(self, step: int, e: Exception) -> CheckpointError:
+    return CheckpointError(
+        f"checkpoint step {step} in {self.step_dir(step)} is unreadable or corrupt "
+        f"({type(e).__name__}: {e}). Nothing was deleted: move the step directory away "
+        f"to resume from an earlier checkpoint.")
+
+  def layout(self, step: int) -> dict[str, Any]:
+    """The `layout` item of checkpoint `step`: members, strategy, format version."""
+    try:
+      restored = self._manager.restore(
+          step, args=ocp.args.Composite(**{LAYOUT_ITEM: ocp.args.JsonRestore()}))
+      layout = dict(restored[LAYOUT_ITEM])
+    except Exception as e:
+      raise self._read_error(step, e) from e
+    if layout.get("version") != LAYOUT_VERSION or "num_members" not in layout:
+      raise self._read_error(step, ValueError(f"unknown layout {layout}"))
+    return layout
+
+  def restore(self, step: int, target: PyTree) -> PyTree:
+    """Restores checkpoint `step` into the structure of `target`.
+
+    Args:
+      target: a pytree of `jax.ShapeDtypeStruct`s carrying the shardings the
+        restored arrays must have (its state dict is what is read).
+
+    Raises:
+      CheckpointError: the checkpoint is unreadable, or an array's path or
+        shape differs from `target`'s.
+    """
+    target_dict = serialization.to_state_dict(target)
+    try:
+      saved = self._manager.item_metadata(step)[STATE_ITEM]
+      saved = getattr(saved, "tree", saved)
+    except Exception as e:
+      raise self._read_error(step, e) from e
+    if saved is None:
+      raise self._read_error(step, FileNotFoundError(f"no {STATE_ITEM!r} item"))
+    check_compatible(saved, target_dict, step=step, directory=self.step_dir(step))
+    try:
+      restored = self._manager.restore(step, args=ocp.args.Composite(**{
+          STATE_ITEM: ocp.args.StandardRestore(target_dict)}))[STATE_ITEM]
+    except Exception as e:
+      raise self._read_error(step, e) from e
+    logging.info("Restored checkpoint step %d from %s", step, self.step_dir(step))
+    return serialization.from_state_dict(target, restored)
