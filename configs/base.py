@@ -39,4 +39,11 @@ def get_config() -> ml_collections.ConfigDict:
   config.strategy.mesh_axes = ("data",)
   # Logical axis name -> mesh axis; the rule for 'batch' shards the batch.
   config.strategy.logical_axis_rules = (("batch", "data"),)
+  # sharded_ensemble: devices on the (ensemble, data) mesh axes; members are
+  # split over 'ensemble' (ensemble_size must be a multiple of it), each
+  # member's batch over 'data'. -1 takes the remaining devices.
+  config.strategy.ensemble_mesh_shape = (-1, 1)
+  # sharded_ensemble: how the members sharing a device run: "map" (a loop),
+  # "vmap", or "" for the platform's faster one (strategies.sharded_ensemble).
+  config.strategy.ensemble_loop = ""
   return config

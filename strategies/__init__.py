@@ -5,12 +5,14 @@ from strategies.pmap_data_parallel import PmapDataParallel
 from strategies.pmap_ensemble import PmapEnsemble
 from strategies.registry import available, create_strategy, register
 from strategies.sharded_data_parallel import ShardedDataParallel
+from strategies.sharded_ensemble import ShardedEnsemble
 from strategies.single_device import SingleDevice
 
 __all__ = [
     "PmapDataParallel",
     "PmapEnsemble",
     "ShardedDataParallel",
+    "ShardedEnsemble",
     "SingleDevice",
     "Strategy",
     "available",

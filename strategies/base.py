@@ -106,6 +106,11 @@ class Strategy(abc.ABC):
     """Makes a step RNG distinct per data replica where each replica sees a shard."""
     return rng
 
+  def whole_batch(self, tree: PyTree) -> PyTree:
+    """Per-example outputs over the whole batch where a step sees a batch shard
+    and its outputs are not split by the strategy's own output layout."""
+    return tree
+
   def member_index(self) -> jax.Array:
     """Which ensemble member the step is running for (0 without an ensemble)."""
     return jnp.zeros((), jnp.int32)

@@ -325,3 +325,22 @@ def test_unknown_nonfinite_action_is_rejected():
   with pytest.raises(ValueError, match=r"config.nonfinite='ignore' is not one of \('stop', "
                                        r"'skip'\)"):
     _trainer("single_device", nonfinite="ignore")
+
+
+def test_pmap_ensemble_checkpoint_restores_under_sharded_ensemble_and_back(tmp_path):
+  batches = vector_batches(2, 16, 8)
+  pmap = _trainer("pmap_ensemble", ensemble_size=8)
+  ckpt = Checkpointer(tmp_path / "ckpt", every_steps=2)
+  saved = _canonical(pmap, pmap.fit(batches, num_steps=2, checkpointer=ckpt))
+  jit = _trainer("sharded_ensemble", ensemble_size=8, **{"strategy.ensemble_mesh_shape": (4, 2)})
+  restored = jit.restore_checkpoint(ckpt, batches[0])
+  for a, b in zip(jax.tree.leaves(saved), jax.tree.leaves(_canonical(jit, restored)),
+                  strict=True):
+    np.testing.assert_array_equal(a, b)
+  assert jax.tree.leaves(restored)[0].sharding.spec == PartitionSpec("ensemble")
+  back = Checkpointer(tmp_path / "back", every_steps=2)
+  jit.save_checkpoint(back, restored, 2)
+  back.wait()
+  again = _trainer("pmap_ensemble", ensemble_size=8).restore_checkpoint(back, batches[0])
+  for a, b in zip(jax.tree.leaves(saved), jax.tree.leaves(_canonical(pmap, again)), strict=True):
+    np.testing.assert_array_equal(a, b)

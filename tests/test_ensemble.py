@@ -1,35 +1,57 @@
-"""pmap_ensemble: each member is exactly a single-device run from its own RNG."""
+"""Ensembles (pmap and jit): each member is exactly a single-device run from its own RNG.
+
+The same tests run for `pmap_ensemble` (one member per device) and for
+`sharded_ensemble` with one member per device, two per device (16 on 8),
+four on one device (looped and vectorised), and 4 members x 2-way data
+parallelism inside each member.
+"""
 
 import jax
 import numpy as np
 import pytest
-from conftest import NUM_DEVICES, CNNTrainer, cnn_config, image_batches, leaves
+from conftest import CNNTrainer, cnn_config, image_batches, leaves
 
 from strategies import member_rng
 
 STEPS = 3
 
 
-@pytest.fixture(scope="module")
-def ensemble_run():
+ENSEMBLES = {
+    "pmap_8": {"strategy.name": "pmap_ensemble", "ensemble_size": 8},
+    "jit_8_on_8": {"strategy.name": "sharded_ensemble", "ensemble_size": 8},
+    "jit_16_on_8": {"strategy.name": "sharded_ensemble", "ensemble_size": 16},
+    "jit_4_on_1_map": {"strategy.name": "sharded_ensemble", "ensemble_size": 4,
+                       "strategy.ensemble_mesh_shape": (1, 1), "strategy.ensemble_loop": "map"},
+    "jit_4_on_1_vmap": {"strategy.name": "sharded_ensemble", "ensemble_size": 4,
+                        "strategy.ensemble_mesh_shape": (1, 1),
+                        "strategy.ensemble_loop": "vmap"},
+    "jit_4x2_data": {"strategy.name": "sharded_ensemble", "ensemble_size": 4,
+                     "strategy.ensemble_mesh_shape": (4, 2)},
+}
+_SINGLE_RUNS = {}
+
+
+@pytest.fixture(scope="module", params=list(ENSEMBLES))
+def ensemble_run(request):
   batches = image_batches(STEPS + 1, 16)
-  trainer = CNNTrainer(cnn_config(**{"strategy.name": "pmap_ensemble",
-                                     "ensemble_size": NUM_DEVICES}))
+  trainer = CNNTrainer(cnn_config(**ENSEMBLES[request.param]))
   state = trainer.fit(batches[:STEPS], num_steps=STEPS)
   return trainer, state, batches
 
 
 @pytest.fixture(scope="module")
 def member_runs(ensemble_run):
-  """Single-device runs started from each member's RNG, on the same batches."""
-  _, _, batches = ensemble_run
-  trainer = CNNTrainer(cnn_config(**{"strategy.name": "single_device"}))
+  """Single-device runs started from each member's RNG, on the same batches (cached)."""
+  ensemble, _, batches = ensemble_run
+  if "trainer" not in _SINGLE_RUNS:
+    _SINGLE_RUNS["trainer"] = CNNTrainer(cnn_config(**{"strategy.name": "single_device"}))
+  trainer = _SINGLE_RUNS["trainer"]
   base = jax.random.PRNGKey(trainer.config.seed)
-  states = []
-  for i in range(NUM_DEVICES):
-    state = trainer.init_state(batches[0], rng=member_rng(base, i))
-    states.append(trainer.fit(batches[:STEPS], num_steps=STEPS, state=state))
-  return trainer, states
+  for i in range(ensemble.strategy.num_members):
+    if i not in _SINGLE_RUNS:
+      state = trainer.init_state(batches[0], rng=member_rng(base, i))
+      _SINGLE_RUNS[i] = trainer.fit(batches[:STEPS], num_steps=STEPS, state=state)
+  return trainer, [_SINGLE_RUNS[i] for i in range(ensemble.strategy.num_members)]
 
 
 def test_each_member_equals_its_single_device_run(ensemble_run, member_runs):
@@ -45,8 +67,8 @@ def test_each_member_equals_its_single_device_run(ensemble_run, member_runs):
 def test_members_differ(ensemble_run):
   trainer, state, _ = ensemble_run
   kernel = np.asarray(trainer.strategy.to_canonical(state.params)["Dense_1"]["kernel"])
-  assert kernel.shape[0] == NUM_DEVICES
-  for i in range(1, NUM_DEVICES):
+  assert kernel.shape[0] == trainer.strategy.num_members
+  for i in range(1, trainer.strategy.num_members):
     assert not np.allclose(kernel[0], kernel[i])
 
 
@@ -92,3 +114,14 @@ def _ece(probs, labels, num_bins=15):
   bins = np.clip(np.ceil(confidence * num_bins).astype(int) - 1, 0, num_bins - 1)
   return sum(abs(correct[bins == b].sum() - confidence[bins == b].sum())
              for b in range(num_bins)) / len(labels)
+
+
+def test_sharded_ensemble_matches_pmap_ensemble_member_by_member():
+  batches = image_batches(STEPS, 16)
+  pmap = CNNTrainer(cnn_config(**ENSEMBLES["pmap_8"]))
+  jit = CNNTrainer(cnn_config(**ENSEMBLES["jit_8_on_8"]))
+  pmap_params = pmap.strategy.to_canonical(pmap.fit(batches, num_steps=STEPS).params)
+  jit_params = jit.strategy.to_canonical(jit.fit(batches, num_steps=STEPS).params)
+  for a, b in zip(leaves(pmap_params), leaves(jit_params), strict=True):
+    assert a.shape[0] == 8
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)

@@ -85,3 +85,25 @@ def test_batch_of_the_wrong_size_is_named():
   trainer = CNNTrainer(cnn_config(**{"strategy.name": "pmap_data_parallel"}))
   with pytest.raises(ValueError, match="leading dimension 12 does not split over 8"):
     trainer.strategy.put_batch(image_batches(1, 12)[0])
+
+
+@pytest.mark.parametrize("size,mesh,numbers", [
+    (12, (8, 1), "config.ensemble_size=12 does not divide over the 8 devices of mesh axis "
+                 "'ensemble'"),
+    (6, (4, 2), "config.ensemble_size=6 does not divide over the 4 devices of mesh axis "
+                "'ensemble'"),
+])
+def test_sharded_ensemble_size_must_divide_over_the_ensemble_axis(size, mesh, numbers):
+  with pytest.raises(ValueError, match=re.escape(numbers) + r".*multiple of"):
+    _NeverBuilt(cnn_config(**{"strategy.name": "sharded_ensemble", "ensemble_size": size,
+                              "strategy.ensemble_mesh_shape": mesh}))
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("strategy.ensemble_mesh_shape", (3, 3), "needs 9 devices but 8 are available"),
+    ("strategy.ensemble_mesh_shape", (8,), "must be two positive integers"),
+    ("strategy.ensemble_loop", "scan", "ensemble_loop='scan' is not one of ('map', 'vmap')"),
+])
+def test_sharded_ensemble_mesh_and_loop_are_checked(field, value, message):
+  with pytest.raises(ValueError, match=re.escape(message)):
+    _NeverBuilt(cnn_config(**{"strategy.name": "sharded_ensemble", field: value}))

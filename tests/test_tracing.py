@@ -22,7 +22,7 @@ def _counting(base):
 
 
 @pytest.mark.parametrize("strategy", ["single_device", "pmap_data_parallel", "pmap_ensemble",
-                                      "sharded_data_parallel"])
+                                      "sharded_data_parallel", "sharded_ensemble"])
 def test_cnn_steps_trace_once(strategy):
   trainer = _counting(CNNTrainer)(cnn_config(**{
       "strategy.name": strategy, "ensemble_size": 8, "eval_every_steps": 4,

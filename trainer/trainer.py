@@ -223,7 +223,7 @@ class Trainer(abc.ABC):
   def predict_step(self, state: TrainState, batch: Batch) -> jax.Array:
     """Predictions, averaged over ensemble members where there are several."""
     outputs = self.apply_model(state.params, batch, rngs=None, train=False)
-    return self.strategy.mean_over_members(self.prediction(outputs))
+    return self.strategy.mean_over_members(self.strategy.whole_batch(self.prediction(outputs)))
 
   # -- Running -----------------------------------------------------------------
 

@@ -1,0 +1,185 @@
+"""Ensembles under `jax.jit`: members stacked on a leading axis, sharded over a mesh.
+
+The member axis is split over the mesh axis `ensemble`; a second mesh axis,
+`data`, splits each member's batch (data parallelism inside every member).
+Any member count that divides over the `ensemble` axis works: one member per
+device, several per device (16 members on 8 devices, 4 on one device), or all
+on one. The members that share a device run either vectorised (`vmap`) or
+one after another (`lax.map`), chosen by `config.strategy.ensemble_loop`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from strategies.base import (
+    InitFn,
+    PyTree,
+    StepFn,
+    Strategy,
+    abstract_with_sharding,
+    member_rng,
+)
+from strategies.registry import register
+
+ENSEMBLE, DATA = "ensemble", "data"
+MEMBERS = "members"  # The vmap axis over the members that share a device.
+LOOPS = ("map", "vmap")
+
+
+def default_loop(platform: str) -> str:
+  """The faster way to run several members on one device, as measured per platform.
+
+  On XLA:CPU vmapped convolutions become grouped convolutions that run several
+  times slower than a loop (see the README's benchmark figures), so CPU loops.
+  Elsewhere `vmap` gives the compiler one larger program; no GPU/TPU
+  measurement has been made in this repository yet.
+  """
+  return "map" if platform == "cpu" else "vmap"
+
+
+@register("sharded_ensemble")
+class ShardedEnsemble(Strategy):
+  """Member i is initialised from `member_rng(rng, i)` and lives on `ensemble` shard i // k.
+
+  The train step runs under `shard_map`: each device steps its k members with
+  its slice of the batch; the only collectives are over `data` (gradient and
+  metric means inside a member), never over `ensemble`. Eval and predict
+  vectorise the local members so that ensemble means can use a named axis.
+  """
+
+  is_ensemble = True
+
+  def __init__(self, num_members: int, mesh_shape: Sequence[int] = (-1, 1), loop: str = "",
+               devices: Sequence[jax.Device] | None = None):
+    devices = list(devices or jax.devices())
+    shape = tuple(mesh_shape)
+    if (len(shape) != 2 or shape.count(-1) > 1
+        or any(not isinstance(n, int) or (n < 1 and n != -1) for n in shape)):
+      raise ValueError(
+          f"config.strategy.ensemble_mesh_shape={shape} must be two positive integers "
+          f"(ensemble devices, data devices per member), one of which may be -1.")
+    if -1 in shape:
+      known = math.prod(n for n in shape if n != -1)
+      if len(devices) % known:
+        raise ValueError(
+            f"config.strategy.ensemble_mesh_shape={shape} does not fit the {len(devices)} "
+            f"devices: {len(devices)} is not a multiple of {known}.")
+      shape = tuple(len(devices) // known if n == -1 else n for n in shape)
+    if math.prod(shape) > len(devices):
+      raise ValueError(
+          f"config.strategy.ensemble_mesh_shape={tuple(mesh_shape)} needs "
+          f"{math.prod(shape)} devices but {len(devices)} are available.")
+    ensemble_devices = shape[0]
+    if num_members < 1 or num_members % ensemble_devices:
+      raise ValueError(
+          f"config.ensemble_size={num_members} does not divide over the {ensemble_devices} "
+          f"devices of mesh axis 'ensemble' (config.strategy.ensemble_mesh_shape="
+          f"{tuple(mesh_shape)}); use a positive multiple of {ensemble_devices}, or change "
+          f"the mesh shape.")
+    self.loop = loop or default_loop(devices[0].platform)
+    if self.loop not in LOOPS:
+      raise ValueError(f"config.strategy.ensemble_loop={loop!r} is not one of {LOOPS} "
+                       f"(or '' for the platform's default).")
+    self.num_members = num_members
+    self.members_per_device = num_members // ensemble_devices
+    self.mesh = Mesh(np.array(devices[:math.prod(shape)]).reshape(shape), (ENSEMBLE, DATA))
+    self._member_sharding = NamedSharding(self.mesh, PartitionSpec(ENSEMBLE))
+    self._batch_sharding = NamedSharding(self.mesh, PartitionSpec(DATA))
+
+  @classmethod
+  def from_config(cls, config: ml_collections.ConfigDict) -> ShardedEnsemble:
+    s = config.strategy
+    return cls(num_members=config.get("ensemble_size", jax.device_count()),
+               mesh_shape=s.get("ensemble_mesh_shape", (-1, 1)),
+               loop=s.get("ensemble_loop", ""))
+
+  @property
+  def num_data_replicas(self) -> int:
+    return self.mesh.shape[DATA]
+
+  # -- Placement -----------------------------------------------------------------
+
+  def _over_local_members(self, fn: StepFn, loop: str) -> StepFn:
+    """`fn(member_state, batch)` applied to each member a device holds."""
+    if loop == "vmap":
+      return jax.vmap(fn, in_axes=(0, None), axis_name=MEMBERS)
+    return lambda state, batch: jax.lax.map(lambda s: fn(s, batch), state)
+
+  def create_state(self, init_fn: InitFn, rng: jax.Array) -> PyTree:
+    rngs = jax.vmap(lambda i: member_rng(rng, i))(jnp.arange(self.num_members))
+    init = (jax.vmap(init_fn) if self.loop == "vmap"
+            else lambda r: jax.lax.map(init_fn, r))
+    return jax.jit(init, out_shardings=self._member_sharding)(rngs)
+
+  def put_batch(self, batch: PyTree) -> PyTree:
+    return jax.tree.map(
+        lambda x: jax.make_array_from_process_local_data(self._batch_sharding, x), batch)
+
+  def _compile(self, fn: StepFn, loop: str, out_specs, **jit_kwargs) -> StepFn:
+    per_device = jax.shard_map(
+        self._over_local_members(fn, loop), mesh=self.mesh,
+        in_specs=(PartitionSpec(ENSEMBLE), PartitionSpec(DATA)), out_specs=out_specs,
+        check_vma=False)
+    return jax.jit(per_device, in_shardings=(self._member_sharding, self._batch_sharding),
+                   **jit_kwargs)
+
+  def compile_train_step(self, step_fn: StepFn, state: PyTree) -> StepFn:
+    del state
+    return self._compile(step_fn, self.loop, PartitionSpec(ENSEMBLE), donate_argnums=0)
+
+  def compile_eval_step(self, eval_fn: StepFn, state: PyTree) -> StepFn:
+    del state
+    # Vectorised, so that `mean_over_members` has an axis to average over.
+    return self._compile(eval_fn, "vmap", PartitionSpec(ENSEMBLE))
+
+  # -- In-step collectives ---------------------------------------------------------
+
+  def mean_over_data(self, tree: PyTree) -> PyTree:
+    return jax.lax.pmean(tree, DATA) if self.num_data_replicas > 1 else tree
+
+  def merge_metrics_over_data(self, metrics: PyTree) -> PyTree:
+    if self.num_data_replicas == 1:
+      return metrics
+    return jax.lax.all_gather(metrics, DATA).reduce()
+
+  def replica_rng(self, rng: jax.Array) -> jax.Array:
+    return jax.random.fold_in(rng, jax.lax.axis_index(DATA)) if self.num_data_replicas > 1 \
+        else rng
+
+  def mean_over_members(self, tree: PyTree) -> PyTree:
+    return jax.lax.pmean(jax.lax.pmean(tree, MEMBERS), ENSEMBLE)
+
+  def member_index(self) -> jax.Array:
+    return (jax.lax.axis_index(ENSEMBLE) * self.members_per_device
+            + jax.lax.axis_index(MEMBERS))
+
+  def whole_batch(self, tree: PyTree) -> PyTree:
+    if self.num_data_replicas == 1:
+      return tree
+    return jax.lax.all_gather(tree, DATA, axis=0, tiled=True)
+
+  # -- Host views and checkpoints ----------------------------------------------------
+
+  def metrics_to_host(self, metrics: PyTree) -> PyTree:
+    return jax.device_get(metrics).reduce()  # Merging member metrics averages them.
+
+  def outputs_to_host(self, outputs: PyTree) -> PyTree:
+    # Ensemble means are the same for every member: take member 0's copy.
+    return jax.tree.map(lambda x: np.asarray(x[0]), jax.device_get(outputs))
+
+  def checkpoint_target(self, abstract_state: PyTree) -> PyTree:
+    return abstract_with_sharding(abstract_state, self._member_sharding,
+                                  leading=(self.num_members,))
+
+  def describe(self) -> str:
+    return (f"{self.name}: {self.num_members} members, mesh (ensemble="
+            f"{self.mesh.shape[ENSEMBLE]}, data={self.mesh.shape[DATA]}), "
+            f"{self.members_per_device} member(s) per device run with {self.loop}")
