@@ -6,5 +6,6 @@ axis annotations at most, never device or mesh knowledge.
 
 from models.cnn import CNN
 from models.mlp import MLP, DotReluDot
+from models.transformer import DecoderBlock, TransformerLM
 
-__all__ = ["CNN", "MLP", "DotReluDot"]
+__all__ = ["CNN", "MLP", "DecoderBlock", "DotReluDot", "TransformerLM"]

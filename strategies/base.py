@@ -81,7 +81,8 @@ class Strategy(abc.ABC):
   def compile_train_step(self, step_fn: StepFn, state: PyTree) -> StepFn:
     """Compiles `step_fn(state, batch) -> (state, metrics)`, donating the state.
 
-    `state` is a placed state whose layout the compiled step keeps.
+    `state` is a placed state whose layout the compiled step keeps. The result
+    has `.lower(state, batch)`, as jitted functions do.
     """
 
   @abc.abstractmethod
@@ -155,9 +156,23 @@ class Strategy(abc.ABC):
     """Turns arrays restored into `checkpoint_target` into a placed state."""
     return state
 
+  def summary(self, state: PyTree) -> str:
+    """`describe()` plus the state's per-parameter layout and bytes per device."""
+    from strategies.summary import summarize
+    return summarize(self, state)
+
   def describe(self) -> str:
     """A one-line summary of the device layout."""
     return f"{self.name}: {self.num_members} member(s), {self.num_data_replicas} data replica(s)"
+
+
+def keypath_str(path: tuple, *, drop_box: bool = False) -> str:
+  """`params/layers/W1` for a jax key path; `drop_box` leaves out Flax's `value` box field."""
+  names = [str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path]
+  if drop_box and names and names[-1] == "value" and isinstance(path[-1],
+                                                                jax.tree_util.GetAttrKey):
+    names = names[:-1]
+  return "/".join(names)
 
 
 def abstract_with_sharding(abstract: PyTree, sharding: jax.sharding.Sharding,

@@ -17,7 +17,7 @@ import jax
 import ml_collections
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
-from strategies.base import InitFn, PyTree, StepFn, Strategy
+from strategies.base import InitFn, PyTree, StepFn, Strategy, keypath_str
 from strategies.registry import register
 
 LogicalRules = tuple[tuple[str, str | tuple[str, ...] | None], ...]
@@ -76,6 +76,39 @@ def check_rules(rules: Sequence, mesh_axes: Sequence[str]) -> LogicalRules:
   return tuple(checked)
 
 
+def check_one_mesh_axis_per_parameter(logical_specs: PyTree, rules: LogicalRules) -> None:
+  """Raises if a rule table sends two logical axes of one array to the same mesh axis.
+
+  Flax would silently replicate the second axis instead; a table that asks
+  for it is almost always a mistake (e.g. `embed -> data` and `mlp -> data`
+  make the `(embed, mlp)` kernel ask for `data` twice).
+
+  Args:
+    logical_specs: `nn.get_partition_spec` of an abstract state (logical names).
+  """
+  first_rule: dict[str, tuple[str, ...]] = {}
+  for logical, target in rules:
+    if logical not in first_rule:
+      first_rule[logical] = (() if target is None else (target,) if isinstance(target, str)
+                             else tuple(target))
+  for path, spec in jax.tree_util.tree_leaves_with_path(
+      logical_specs, is_leaf=lambda x: isinstance(x, PartitionSpec)):
+    if not isinstance(spec, PartitionSpec):
+      continue
+    used: dict[str, str] = {}
+    for name in spec:
+      for names in ((name,) if isinstance(name, str) else tuple(name or ())):
+        for mesh_axis in first_rule.get(names, ()):
+          if mesh_axis in used:
+            where = keypath_str(path)
+            raise ValueError(
+                f"config.strategy.logical_axis_rules maps logical axes {used[mesh_axis]!r} "
+                f"and {names!r} of parameter {where!r} (logical axes {tuple(spec)}) to the "
+                f"same mesh axis {mesh_axis!r}; an array can use a mesh axis once. Map one "
+                f"of them to another mesh axis or to None.")
+          used[mesh_axis] = names
+
+
 @register("sharded_data_parallel")
 class ShardedDataParallel(Strategy):
   """`jit` with in/out shardings over a mesh built from the config.
@@ -116,6 +149,7 @@ class ShardedDataParallel(Strategy):
   def state_shardings(self, abstract_state: PyTree) -> PyTree:
     """NamedShardings for a state from its logical annotations alone."""
     specs = nn.get_partition_spec(abstract_state)
+    check_one_mesh_axis_per_parameter(specs, self.rules)
     return nn.logical_to_mesh_sharding(specs, self.mesh, self.rules)
 
   def checkpoint_target(self, abstract_state: PyTree) -> PyTree:
@@ -143,6 +177,11 @@ class ShardedDataParallel(Strategy):
       with self._context():
         return jitted(*args)
 
+    def lower(*args):
+      with self._context():
+        return jitted.lower(*args)
+
+    call.lower = lower  # Like a jitted function's: for the compiled program's text.
     return call
 
   def compile_train_step(self, step_fn: StepFn, state: PyTree) -> StepFn:

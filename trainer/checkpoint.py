@@ -29,6 +29,8 @@ import ml_collections
 import orbax.checkpoint as ocp
 from flax import serialization
 
+from strategies.base import keypath_str
+
 PyTree = Any
 
 #: Bumped when the meaning of the on-disk layout changes.
@@ -41,10 +43,6 @@ class CheckpointError(RuntimeError):
   """A checkpoint cannot be saved, read, or restored into the requested state."""
 
 
-def _path_str(path: tuple) -> str:
-  return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
-
-
 def check_compatible(saved: Mapping, target: Mapping, *, step: int, directory: str) -> None:
   """Raises CheckpointError at the first array whose path or shape differs.
 
@@ -52,8 +50,8 @@ def check_compatible(saved: Mapping, target: Mapping, *, step: int, directory: s
     saved: the checkpoint's array metadata (objects with `.shape`), as a state dict.
     target: the state dict to restore into (objects with `.shape`).
   """
-  saved_leaves = dict((_path_str(p), x) for p, x in jax.tree_util.tree_leaves_with_path(saved))
-  target_leaves = dict((_path_str(p), x) for p, x in jax.tree_util.tree_leaves_with_path(target))
+  saved_leaves = dict((keypath_str(p), x) for p, x in jax.tree_util.tree_leaves_with_path(saved))
+  target_leaves = dict((keypath_str(p), x) for p, x in jax.tree_util.tree_leaves_with_path(target))
   where = f"checkpoint step {step} in {directory}"
   # Parameters first: a different model shows there before its optimizer state.
   for path, want in sorted(target_leaves.items(), key=lambda kv: not kv[0].startswith("params")):

@@ -297,7 +297,7 @@ class Trainer(abc.ABC):
                if resume_step else self.init_state(first))
     if resume_step:
       logging.info("Resuming at step %d from %s", resume_step, checkpointer.step_dir(resume_step))
-    logging.info("Strategy: %s", self.strategy.describe())
+    logging.info("Strategy %s", self.strategy.summary(state))
     step_fn = self._compile("train", self.train_step, state)
     log_every = self.config.get("log_every_steps", 100)
     eval_every = self.config.get("eval_every_steps", 0)
@@ -458,6 +458,11 @@ class Trainer(abc.ABC):
     logging.info("step %d/%d: %.2f steps/s, %.0f examples/s, ETA %dm%02ds", step, num_steps,
                  steps_per_sec, examples_per_sec, eta // 60, eta % 60)
     return {"train/steps_per_sec": steps_per_sec, "train/examples_per_sec": examples_per_sec}
+
+  def compiled_train_step_text(self, state: TrainState, example_batch: Batch) -> str:
+    """The optimised HLO of the train step as the strategy compiles it (collectives included)."""
+    step_fn = self._compile("train", self.train_step, state)
+    return step_fn.lower(state, self.strategy.put_batch(example_batch)).compile().as_text()
 
   def evaluate(self, state: TrainState, batches: Iterable[Batch]) -> dict[str, float]:
     """Eval metrics over all `batches`, padding short ones and masking the padding."""

@@ -1,0 +1,52 @@
+r"""A small decoder-only transformer LM under one of five layouts, chosen by the config string.
+
+    python examples/transformer_lm.py --config=configs/lm.py:fsdp --workdir=/tmp/lm
+
+Layouts (all `sharded_data_parallel`; only the mesh and the rule table change):
+
+- `data_parallel`: batch over `data`; weights replicated.
+- `fsdp`: also `embed -> data`: every weight and its optimizer state is
+  sharded over the data axis and gathered per layer when used.
+- `tensor_parallel`: `heads`, `mlp`, `vocab -> model` over all devices.
+- `data_tensor`: a 2 x (devices/2) mesh, batch over `data`, tensor parallel
+  over `model`.
+- `fsdp_tensor`: `data_tensor` plus `embed -> data`.
+"""
+
+import ml_collections
+
+from configs import base
+
+_TENSOR = (("heads", "model"), ("mlp", "model"), ("vocab", "model"))
+LAYOUTS = {
+    #           mesh_shape, mesh_axes, rules
+    "data_parallel": ((-1,), ("data",), (("batch", "data"),)),
+    "fsdp": ((-1,), ("data",), (("batch", "data"), ("embed", "data"))),
+    "tensor_parallel": ((1, -1), ("data", "model"), (("batch", "data"),) + _TENSOR),
+    "data_tensor": ((2, -1), ("data", "model"), (("batch", "data"),) + _TENSOR),
+    "fsdp_tensor": ((2, -1), ("data", "model"),
+                    (("batch", "data"), ("embed", "data")) + _TENSOR),
+}
+
+
+def get_config(layout: str = "data_parallel") -> ml_collections.ConfigDict:
+  if layout not in LAYOUTS:
+    raise ValueError(f"configs/lm.py:{layout}: the layout must be one of {tuple(LAYOUTS)}.")
+  config = base.get_config()
+  config.model = ml_collections.ConfigDict(dict(
+      vocab_size=64, num_layers=2, embed_dim=64, num_heads=8, head_dim=8, mlp_dim=256,
+      max_len=64))
+  config.seq_len = 32
+  config.batch_size = 32
+  config.eval_batch_size = 32
+  config.num_train_steps = 300
+  config.log_every_steps = 50
+  config.optimizer = "adam"
+  config.learning_rate = 3e-3
+
+  mesh_shape, mesh_axes, rules = LAYOUTS[layout]
+  config.strategy.name = "sharded_data_parallel"
+  config.strategy.mesh_shape = mesh_shape
+  config.strategy.mesh_axes = mesh_axes
+  config.strategy.logical_axis_rules = rules
+  return config

@@ -1,0 +1,97 @@
+"""A small decoder-only transformer language model annotated with logical axes.
+
+Every weight names its dimensions (`vocab`, `embed`, `heads`, `kv`, `mlp`,
+and `layer` from `nn.scan`); activations carry `batch`/`length`-first
+constraints. A rule table decides the layout: `batch -> data` is data
+parallelism, adding `embed -> data` shards weights and optimizer state over
+the data axis (FSDP), `heads/mlp/vocab -> model` is tensor parallelism. With
+no mesh and rules the annotations are no-ops.
+"""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+_init = nn.initializers.normal(stddev=0.02)
+
+
+def _param(init, names: tuple[str, ...]):
+  return nn.with_logical_partitioning(init, names)
+
+
+class DecoderBlock(nn.Module):
+  """Pre-norm causal self-attention and MLP; `(x, None) -> (x, None)` for `nn.scan`."""
+
+  num_heads: int
+  head_dim: int
+  mlp_dim: int
+
+  @nn.compact
+  def __call__(self, x: jax.Array, _=None) -> tuple[jax.Array, None]:
+    embed = x.shape[-1]
+    norm = lambda name: nn.LayerNorm(  # noqa: E731 -- two identical norms.
+        name=name, scale_init=_param(nn.initializers.ones, ("embed",)),
+        bias_init=_param(nn.initializers.zeros, ("embed",)))
+    y = norm("attention_norm")(x)
+    def projection(name, shape, names):
+      return self.param(name, _param(_init, names), shape)
+
+    heads = (self.num_heads, self.head_dim)
+    q, k, v = (jnp.einsum("ble,ehd->blhd", y,
+                          projection(name, (embed, *heads), ("embed", "heads", "kv")))
+               for name in ("query", "key", "value"))
+    q, k, v = (nn.with_logical_constraint(t, ("batch", "length", "heads", "kv"))
+               for t in (q, k, v))
+    mask = nn.make_causal_mask(jnp.ones(x.shape[:2], jnp.int32))
+    attended = nn.dot_product_attention(q, k, v, mask=mask)
+    attended = nn.with_logical_constraint(attended, ("batch", "length", "heads", "kv"))
+    out = jnp.einsum("blhd,hde->ble", attended,
+                     projection("out", (*heads, embed), ("heads", "kv", "embed")))
+    x = nn.with_logical_constraint(x + out, ("batch", "length", "embed"))
+
+    y = norm("mlp_norm")(x)
+    h = nn.Dense(self.mlp_dim, use_bias=False, name="wi",
+                 kernel_init=_param(_init, ("embed", "mlp")))(y)
+    h = nn.with_logical_constraint(nn.gelu(h), ("batch", "length", "mlp"))
+    out = nn.Dense(embed, use_bias=False, name="wo",
+                   kernel_init=_param(_init, ("mlp", "embed")))(h)
+    return nn.with_logical_constraint(x + out, ("batch", "length", "embed")), None
+
+
+class TransformerLM(nn.Module):
+  """Token ids `[batch, length]` -> next-token logits `[batch, length, vocab]`.
+
+  Attributes:
+    vocab_size: number of token ids.
+    num_layers: decoder blocks, stacked with `nn.scan` on a `layer` axis.
+    embed_dim, num_heads, head_dim, mlp_dim: widths (`embed`, `heads`, `kv`, `mlp`).
+    max_len: the longest sequence the learned position embedding covers.
+  """
+
+  vocab_size: int
+  num_layers: int = 2
+  embed_dim: int = 64
+  num_heads: int = 4
+  head_dim: int = 16
+  mlp_dim: int = 256
+  max_len: int = 128
+
+  @nn.compact
+  def __call__(self, tokens: jax.Array) -> jax.Array:
+    length = tokens.shape[1]
+    if length > self.max_len:
+      raise ValueError(f"sequence length {length} exceeds max_len={self.max_len}")
+    x = nn.Embed(self.vocab_size, self.embed_dim, name="token_embedding",
+                 embedding_init=_param(_init, ("vocab", "embed")))(tokens)
+    positions = self.param("position_embedding", _param(_init, ("length", "embed")),
+                           (self.max_len, self.embed_dim))
+    x = nn.with_logical_constraint(x + positions[:length], ("batch", "length", "embed"))
+    blocks = nn.scan(
+        DecoderBlock, length=self.num_layers, variable_axes={"params": 0},
+        split_rngs={"params": True}, metadata_params={nn.PARTITION_NAME: "layer"})
+    x, _ = blocks(self.num_heads, self.head_dim, self.mlp_dim, name="blocks")(x, None)
+    x = nn.LayerNorm(name="final_norm", scale_init=_param(nn.initializers.ones, ("embed",)),
+                     bias_init=_param(nn.initializers.zeros, ("embed",)))(x)
+    logits = nn.Dense(self.vocab_size, use_bias=False, name="logits",
+                      kernel_init=_param(_init, ("embed", "vocab")))(x)
+    return nn.with_logical_constraint(logits, ("batch", "length", "vocab"))

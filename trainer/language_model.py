@@ -1,0 +1,50 @@
+"""A Trainer for next-token language models, and a synthetic token stream to train them on."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import flax.linen as nn
+import jax
+import numpy as np
+import optax
+
+import models
+from trainer.trainer import Batch, Trainer
+
+
+class LanguageModelTrainer(Trainer):
+  """Next-token cross-entropy; the model is `models.TransformerLM(**config.model)`.
+
+  Batches hold `inputs` and `targets`, both `[batch, length]` token ids, the
+  targets shifted one position left. A subclass may override `build_model`.
+  """
+
+  input_key = "inputs"
+  target_key = "targets"
+
+  def build_model(self) -> nn.Module:
+    return models.TransformerLM(**self.config.model.to_dict())
+
+  def loss(self, logits: jax.Array, batch: Batch) -> jax.Array:
+    per_token = optax.softmax_cross_entropy_with_integer_labels(logits, batch[self.target_key])
+    return per_token.mean(axis=-1)
+
+
+def synthetic_token_batches(seed: int, batch_size: int, length: int, vocab_size: int,
+                            start_step: int = 0) -> Iterator[dict[str, np.ndarray]]:
+  """Endless batches of arithmetic sequences mod `vocab_size`; batch s depends on (seed, s) only.
+
+  Each sequence starts at a random token and advances by a random stride in
+  `[1, vocab_size // 4]`, so the next token is predictable from the context:
+  a small model's loss falls well below `log(vocab_size)` within a few hundred
+  steps.
+  """
+  step = start_step
+  while True:
+    rng = np.random.default_rng((seed, step))
+    start = rng.integers(0, vocab_size, size=(batch_size, 1))
+    stride = rng.integers(1, max(2, vocab_size // 4 + 1), size=(batch_size, 1))
+    tokens = ((start + stride * np.arange(length + 1)) % vocab_size).astype(np.int32)
+    yield {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+    step += 1
