@@ -43,7 +43,8 @@ def get_config() -> ml_collections.ConfigDict:
   # split over 'ensemble' (ensemble_size must be a multiple of it), each
   # member's batch over 'data'. -1 takes the remaining devices.
   config.strategy.ensemble_mesh_shape = (-1, 1)
-  # sharded_ensemble: how the members sharing a device run: "map" (a loop),
-  # "vmap", or "" for the platform's faster one (strategies.sharded_ensemble).
+  # sharded_ensemble: how the members sharing a device run: "unroll" (one copy
+  # of the step per member), "map" (a lax.map loop), "vmap", or "" for the
+  # platform's fastest (strategies.sharded_ensemble.default_loop).
   config.strategy.ensemble_loop = ""
   return config

@@ -5,7 +5,8 @@ The member axis is split over the mesh axis `ensemble`; a second mesh axis,
 Any member count that divides over the `ensemble` axis works: one member per
 device, several per device (16 members on 8 devices, 4 on one device), or all
 on one. The members that share a device run either vectorised (`vmap`) or
-one after another (`lax.map`), chosen by `config.strategy.ensemble_loop`.
+one after another (unrolled into the program, or a `lax.map` loop), chosen by
+`config.strategy.ensemble_loop`.
 """
 
 from __future__ import annotations
@@ -31,18 +32,20 @@ from strategies.registry import register
 
 ENSEMBLE, DATA = "ensemble", "data"
 MEMBERS = "members"  # The vmap axis over the members that share a device.
-LOOPS = ("map", "vmap")
+LOOPS = ("unroll", "map", "vmap")
 
 
 def default_loop(platform: str) -> str:
-  """The faster way to run several members on one device, as measured per platform.
+  """The fastest way to run several members on one device, as measured per platform.
 
-  On XLA:CPU vmapped convolutions become grouped convolutions that run several
-  times slower than a loop (see the README's benchmark figures), so CPU loops.
-  Elsewhere `vmap` gives the compiler one larger program; no GPU/TPU
-  measurement has been made in this repository yet.
+  Measured on XLA:CPU (`benchmarks/ensemble_step_time.py`, README): unrolling
+  the members into one program runs at the speed of separate single-model
+  steps; `vmap` turns the convolutions into grouped convolutions about 4x
+  slower, and `lax.map` (a while loop) was 12-17x slower still. Elsewhere
+  `vmap` gives the compiler one batched program; no GPU/TPU measurement has
+  been made in this repository yet.
   """
-  return "map" if platform == "cpu" else "vmap"
+  return "unroll" if platform == "cpu" else "vmap"
 
 
 @register("sharded_ensemble")
@@ -111,7 +114,15 @@ class ShardedEnsemble(Strategy):
     """`fn(member_state, batch)` applied to each member a device holds."""
     if loop == "vmap":
       return jax.vmap(fn, in_axes=(0, None), axis_name=MEMBERS)
-    return lambda state, batch: jax.lax.map(lambda s: fn(s, batch), state)
+    if loop == "map":
+      return lambda state, batch: jax.lax.map(lambda s: fn(s, batch), state)
+
+    def unrolled(state, batch):  # One copy of the step per local member in the program.
+      outs = [fn(jax.tree.map(lambda x, i=i: x[i], state), batch)
+              for i in range(self.members_per_device)]
+      return jax.tree.map(lambda *xs: jnp.stack(xs), *outs)
+
+    return unrolled
 
   def create_state(self, init_fn: InitFn, rng: jax.Array) -> PyTree:
     rngs = jax.vmap(lambda i: member_rng(rng, i))(jnp.arange(self.num_members))

@@ -2,7 +2,7 @@
 
 The same tests run for `pmap_ensemble` (one member per device) and for
 `sharded_ensemble` with one member per device, two per device (16 on 8),
-four on one device (looped and vectorised), and 4 members x 2-way data
+four on one device (unrolled, looped and vectorised), and 4 members x 2-way data
 parallelism inside each member.
 """
 
@@ -25,6 +25,9 @@ ENSEMBLES = {
     "jit_4_on_1_vmap": {"strategy.name": "sharded_ensemble", "ensemble_size": 4,
                         "strategy.ensemble_mesh_shape": (1, 1),
                         "strategy.ensemble_loop": "vmap"},
+    "jit_4_on_1_unroll": {"strategy.name": "sharded_ensemble", "ensemble_size": 4,
+                          "strategy.ensemble_mesh_shape": (1, 1),
+                          "strategy.ensemble_loop": "unroll"},
     "jit_4x2_data": {"strategy.name": "sharded_ensemble", "ensemble_size": 4,
                      "strategy.ensemble_mesh_shape": (4, 2)},
 }

@@ -102,7 +102,8 @@ def test_sharded_ensemble_size_must_divide_over_the_ensemble_axis(size, mesh, nu
 @pytest.mark.parametrize("field,value,message", [
     ("strategy.ensemble_mesh_shape", (3, 3), "needs 9 devices but 8 are available"),
     ("strategy.ensemble_mesh_shape", (8,), "must be two positive integers"),
-    ("strategy.ensemble_loop", "scan", "ensemble_loop='scan' is not one of ('map', 'vmap')"),
+    ("strategy.ensemble_loop", "scan",
+     "ensemble_loop='scan' is not one of ('unroll', 'map', 'vmap')"),
 ])
 def test_sharded_ensemble_mesh_and_loop_are_checked(field, value, message):
   with pytest.raises(ValueError, match=re.escape(message)):

@@ -1,0 +1,109 @@
+r"""MNIST CNN ensemble train-step time: jit ensembles against their pmap / single-model baselines.
+
+    python benchmarks/ensemble_step_time.py [--steps 20] [--batch 128]
+
+Two comparisons, each measured in the same run (ratios, since machines are noisy):
+
+1. 8 members on 8 devices: `sharded_ensemble` (jit + shard_map, with each
+   device's member looped and vectorised) against `pmap_ensemble`.
+2. 4 members on ONE device: `sharded_ensemble` on a (1, 1) mesh, looped
+   (`lax.map`) and vectorised (`vmap`), against 4 single-device model steps.
+
+Batches are random MNIST-shaped arrays placed before timing; each setup is
+compiled and warmed up, then timed over `--steps` steps with one host sync at
+the end, as the Trainer's loop runs between log steps. Needs 8 devices (makes
+8 host CPU devices on a CPU-only machine).
+"""
+
+import argparse
+import os
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--steps", type=int, default=20)
+  parser.add_argument("--batch", type=int, default=128)
+  parser.add_argument("--repeats", type=int, default=2,
+                      help="timed rounds per setup, interleaved; the best is kept")
+  args = parser.parse_args()
+
+  from trainer.devices import set_num_cpu_devices
+  set_num_cpu_devices(8)
+
+  import jax
+  import numpy as np
+
+  import models
+  from configs import mnist_ensemble
+  from trainer import ClassificationTrainer
+
+  class MNISTTrainer(ClassificationTrainer):
+    def build_model(self):
+      return models.CNN(num_classes=10)
+
+  rng = np.random.default_rng(0)
+  batches = [{"image": rng.random((args.batch, 28, 28, 1), dtype=np.float32),
+              "label": rng.integers(0, 10, args.batch).astype(np.int32)} for _ in range(4)]
+  print(f"jax {jax.__version__}, backend {jax.default_backend()}, {jax.device_count()} "
+        f"devices, batch {args.batch}, {args.steps} timed steps, best of {args.repeats}")
+
+  def setup(strategy, members, **strategy_fields):
+    config = mnist_ensemble.get_config()
+    config.strategy.name = strategy
+    config.ensemble_size = members
+    config.batch_size = config.eval_batch_size = args.batch
+    for key, value in strategy_fields.items():
+      config.strategy[key] = value
+    trainer = MNISTTrainer(config)
+    state = trainer.init_state(batches[0])
+    step = trainer.strategy.compile_train_step(trainer.train_step, state)
+    placed = [trainer.strategy.put_batch(b) for b in batches]
+    for i in range(3):  # Compile and warm up.
+      state, out = step(state, placed[i % len(placed)])
+    jax.block_until_ready((state, out))
+    return {"step": step, "state": state, "placed": placed, "best": float("inf")}
+
+  def time_once(s):
+    state = s["state"]
+    start = time.perf_counter()
+    for i in range(args.steps):
+      state, out = s["step"](state, s["placed"][i % len(s["placed"])])
+    jax.block_until_ready((state, out))
+    s["state"] = state
+    s["best"] = min(s["best"], (time.perf_counter() - start) / args.steps)
+
+  setups = {
+      "pmap_ensemble 8 on 8": setup("pmap_ensemble", 8),
+      "sharded_ensemble 8 on 8 (map)": setup("sharded_ensemble", 8, ensemble_loop="map"),
+      "sharded_ensemble 8 on 8 (vmap)": setup("sharded_ensemble", 8, ensemble_loop="vmap"),
+      "sharded_ensemble 8 on 8 (unroll)": setup("sharded_ensemble", 8, ensemble_loop="unroll"),
+      "single_device 1 model": setup("single_device", 1),
+      "sharded_ensemble 4 on 1 (map)": setup("sharded_ensemble", 4, ensemble_mesh_shape=(1, 1),
+                                             ensemble_loop="map"),
+      "sharded_ensemble 4 on 1 (vmap)": setup("sharded_ensemble", 4, ensemble_mesh_shape=(1, 1),
+                                              ensemble_loop="vmap"),
+      "sharded_ensemble 4 on 1 (unroll)": setup("sharded_ensemble", 4,
+                                                ensemble_mesh_shape=(1, 1),
+                                                ensemble_loop="unroll"),
+  }
+  for _ in range(args.repeats):  # Interleaved, so drifts in machine load hit every setup.
+    for s in setups.values():
+      time_once(s)
+
+  t = {name: s["best"] for name, s in setups.items()}
+  pmap, single = t["pmap_ensemble 8 on 8"], t["single_device 1 model"]
+  print(f"\n{'setup':34s} {'s/step':>8s}  baseline")
+  for name in list(t)[:4]:
+    print(f"{name:34s} {t[name]:8.4f}  {t[name] / pmap:5.2f}x pmap_ensemble 8 on 8")
+  print(f"{'4 x single_device (1 model each)':34s} {4 * single:8.4f}  1.00x")
+  for name in list(t)[5:]:
+    print(f"{name:34s} {t[name]:8.4f}  {t[name] / (4 * single):5.2f}x 4 single-model steps")
+
+
+if __name__ == "__main__":
+  main()
