@@ -41,7 +41,7 @@ def default_loop(platform: str) -> str:
   Measured on XLA:CPU (`benchmarks/ensemble_step_time.py`, README): unrolling
   the members into one program runs at the speed of separate single-model
   steps; `vmap` turns the convolutions into grouped convolutions about 4x
-  slower, and `lax.map` (a while loop) was 12-17x slower still. Elsewhere
+  slower, and `lax.map` (a while loop) 11-20x slower. Elsewhere
   `vmap` gives the compiler one batched program; no GPU/TPU measurement has
   been made in this repository yet.
   """
