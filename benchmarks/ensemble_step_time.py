@@ -36,19 +36,11 @@ def main():
   set_num_cpu_devices(8)
 
   import jax
-  import numpy as np
+  from mnist_setup import MNISTTrainer, random_batches
 
-  import models
   from configs import mnist_ensemble
-  from trainer import ClassificationTrainer
 
-  class MNISTTrainer(ClassificationTrainer):
-    def build_model(self):
-      return models.CNN(num_classes=10)
-
-  rng = np.random.default_rng(0)
-  batches = [{"image": rng.random((args.batch, 28, 28, 1), dtype=np.float32),
-              "label": rng.integers(0, 10, args.batch).astype(np.int32)} for _ in range(4)]
+  batches = random_batches(args.batch)
   print(f"jax {jax.__version__}, backend {jax.default_backend()}, {jax.device_count()} "
         f"devices, batch {args.batch}, {args.steps} timed steps, best of {args.repeats}")
 
