@@ -130,9 +130,10 @@ class Strategy(abc.ABC):
     """State (or params) as host arrays in the strategy-independent layout.
 
     Non-ensemble strategies give one copy of each array, unreplicated and
-    unsharded; ensemble strategies give a leading member axis.
+    unsharded; ensemble strategies give a leading member axis: the checkpoint
+    layout, on the host.
     """
-    return jax.device_get(tree)
+    return jax.device_get(self.checkpoint_state(tree))
 
   # -- Checkpoint layout ---------------------------------------------------------
   # On disk a state is stored once per model: one copy of each array for a

@@ -89,9 +89,6 @@ class PmapDataParallel(Strategy):
     return jax.tree.map(
         lambda x: np.asarray(x).reshape((-1,) + x.shape[2:]), jax.device_get(outputs))
 
-  def to_canonical(self, tree: PyTree) -> PyTree:
-    return first_along_leading_axis(tree)
-
   def checkpoint_state(self, state: PyTree) -> PyTree:
     # Every replica is the same: store device 0's copy, once.
     return jax.tree.map(lambda x: x.addressable_shards[0].data[0], state)

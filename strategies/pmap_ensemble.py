@@ -84,9 +84,6 @@ class PmapEnsemble(Strategy):
   def outputs_to_host(self, outputs: PyTree) -> PyTree:
     return first_along_leading_axis(outputs)  # Identical on every member after pmean.
 
-  def to_canonical(self, tree: PyTree) -> PyTree:
-    return jax.device_get(tree)  # Already stacked on a leading member axis.
-
   def checkpoint_target(self, abstract_state: PyTree) -> PyTree:
     # Member i is read straight onto device i: the layout the pmapped step takes.
     return abstract_with_sharding(abstract_state, self._per_member,

@@ -26,6 +26,7 @@ from strategies.base import (
     StepFn,
     Strategy,
     abstract_with_sharding,
+    first_along_leading_axis,
     member_rng,
 )
 from strategies.registry import register
@@ -183,8 +184,7 @@ class ShardedEnsemble(Strategy):
     return jax.device_get(metrics).reduce()  # Merging member metrics averages them.
 
   def outputs_to_host(self, outputs: PyTree) -> PyTree:
-    # Ensemble means are the same for every member: take member 0's copy.
-    return jax.tree.map(lambda x: np.asarray(x[0]), jax.device_get(outputs))
+    return first_along_leading_axis(outputs)  # Ensemble means: the same for every member.
 
   def checkpoint_target(self, abstract_state: PyTree) -> PyTree:
     return abstract_with_sharding(abstract_state, self._member_sharding,

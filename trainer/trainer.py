@@ -15,6 +15,7 @@ import abc
 import contextlib
 import logging
 import signal
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
@@ -64,7 +65,6 @@ class _StopRequest:
   @contextlib.contextmanager
   def installed(self, signals: tuple[int, ...]):
     """Handles `signals` for the duration; outside the main thread this is a no-op."""
-    import threading
     if threading.current_thread() is not threading.main_thread():
       yield self
       return
@@ -243,7 +243,7 @@ class Trainer(abc.ABC):
 
   def step_of(self, state: TrainState) -> int:
     """The host value of the state's step (all members step together)."""
-    return int(np.ravel(jax.device_get(self.strategy.checkpoint_state(state).step))[0])
+    return int(np.ravel(self.strategy.to_canonical(state.step))[0])
 
   def fit(self, train_batches: Callable[[int], Iterable[Batch]] | Iterable[Batch], *,
           num_steps: int, state: TrainState | None = None,
@@ -297,7 +297,8 @@ class Trainer(abc.ABC):
                if resume_step else self.init_state(first))
     if resume_step:
       logging.info("Resuming at step %d from %s", resume_step, checkpointer.step_dir(resume_step))
-    logging.info("Strategy %s", self.strategy.summary(state))
+    if logging.getLogger().isEnabledFor(logging.INFO):  # The summary reads every shard.
+      logging.info("Strategy %s", self.strategy.summary(state))
     step_fn = self._compile("train", self.train_step, state)
     log_every = self.config.get("log_every_steps", 100)
     eval_every = self.config.get("eval_every_steps", 0)
@@ -306,33 +307,34 @@ class Trainer(abc.ABC):
     stop = _StopRequest()
     step = start
     pending: list[PyTree] = []  # Step metrics stay on device until the next log.
-    unchecked = None  # (step, finite flag) of the last step, checked one step late.
+    unchecked: list[tuple[int, jax.Array]] = []  # The last step's finite flag, checked late.
+
+    def settle():
+      """Checks the flag still pending (blocking on its step)."""
+      while unchecked:
+        self._check_finite(*unchecked.pop(), checkpointer)
+
     batch, tick = first, time.perf_counter()
     signals = (signal.SIGTERM,) if checkpointer else ()
     with stop.installed(signals), self._waiting_for_saves(checkpointer):
       while step < num_steps:
         state, out = step_fn(state, self.strategy.put_batch(batch))
         step += 1
-        # Checking the previous step's flag keeps one step in flight.
-        if unchecked is not None:
-          self._check_finite(*unchecked, checkpointer)
-        unchecked = (step, out["finite"])
+        settle()  # The previous step's flag: one step stays in flight.
+        unchecked.append((step, out["finite"]))
         pending.append(out["metrics"])
         if step % log_every == 0 or step == num_steps:
           merged = metrics_lib.merge_all([self.strategy.metrics_to_host(m) for m in pending])
           scalars = {f"train/{k}": v for k, v in metrics_lib.scalars(merged).items()}
           scalars.update(self._progress(step, num_steps, len(pending), time.perf_counter() - tick))
           if self.nonfinite == "skip":
-            self._check_finite(*unchecked, checkpointer)
-            unchecked = None
+            settle()
             scalars["train/skipped_steps"] = self.skipped_steps
           writer.write_scalars(step, scalars)
           pending, tick = [], time.perf_counter()
         if checkpointer and (checkpointer.is_save_step(step) or step == num_steps
                              or stop.signum is not None):
-          if unchecked is not None:  # Never save a state that is not finite.
-            self._check_finite(*unchecked, checkpointer)
-            unchecked = None
+          settle()  # Never save a state that is not finite.
           self.save_checkpoint(checkpointer, state, step)
         if stop.signum is not None:
           checkpointer.wait()
@@ -349,8 +351,7 @@ class Trainer(abc.ABC):
           tick = time.perf_counter()
         if step < num_steps:
           batch = next(batches)
-      if unchecked is not None:
-        self._check_finite(*unchecked, checkpointer)
+      settle()
     if step == start >= num_steps and eval_batches is not None:
       # Nothing left to train (a finished run restarted): evaluate the final state.
       self.eval_history.append((step, self.evaluate(state, eval_batches())))
