@@ -17,3 +17,28 @@ def test_ci_runs_the_readme_test_command_exactly():
   assert len(test_commands) == 1, commands
   ci_script = (ROOT / ".ci" / "run").read_text().splitlines()
   assert test_commands[0] in ci_script
+
+
+# The JAX-stack packages whose next minor release may change APIs the project uses.
+PINNED_BELOW_NEXT_MINOR = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint")
+
+
+def test_jax_stack_dependencies_are_bounded_and_hold_the_installed_versions():
+  import importlib.metadata
+  import tomllib
+
+  from packaging.requirements import Requirement
+  from packaging.version import Version
+
+  project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+  requirements = {Requirement(r).name: Requirement(r) for r in project["dependencies"]}
+  for name in PINNED_BELOW_NEXT_MINOR:
+    spec = requirements[name].specifier
+    installed = Version(importlib.metadata.version(name))
+    upper = [s for s in spec if s.operator == "<"]
+    assert upper, f"{name} has no upper bound in pyproject.toml: {spec}"
+    bound = Version(upper[0].version)
+    # Below the next minor: the bound is (major, minor + 1) of the lower bound.
+    lower = Version(next(s.version for s in spec if s.operator == ">="))
+    assert (bound.major, bound.minor) == (lower.major, lower.minor + 1), (name, str(spec))
+    assert installed in spec, f"installed {name} {installed} is outside {spec}"
