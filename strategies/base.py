@@ -11,7 +11,8 @@ exactly what the single-device reference needs.
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable
+import functools
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -118,9 +119,19 @@ class Strategy(abc.ABC):
 
   # -- Host views --------------------------------------------------------------
 
-  def metrics_to_host(self, metrics: PyTree) -> PyTree:
-    """One host copy of a step's metrics, merged over members where there are several."""
-    return jax.device_get(metrics)
+  def metrics_to_host(self, metrics: Sequence[PyTree]) -> PyTree:
+    """One host metric collection from the outputs of several compiled calls.
+
+    The calls' metrics (steps of a log interval, or eval batches) come to the
+    host in one transfer and merge there in numpy, over calls and then over
+    this strategy's device axis (`merge_device_axis`): no jax op per metric.
+    """
+    host = jax.device_get(list(metrics))
+    return self.merge_device_axis(functools.reduce(lambda a, b: a.merge(b), host))
+
+  def merge_device_axis(self, metrics: PyTree) -> PyTree:
+    """Host metrics in this strategy's output layout as one collection (no device axis)."""
+    return metrics
 
   def outputs_to_host(self, outputs: PyTree) -> PyTree:
     """Per-example outputs as host arrays with the global batch as leading axis."""
@@ -182,6 +193,23 @@ def abstract_with_sharding(abstract: PyTree, sharding: jax.sharding.Sharding,
   return jax.tree.map(
       lambda x: jax.ShapeDtypeStruct(leading + tuple(x.shape), x.dtype, sharding=sharding),
       abstract)
+
+
+def merge_along_leading_axis(collection: PyTree) -> PyTree:
+  """Merges a host clu `Collection` over the leading axis of its arrays (members), in numpy.
+
+  The result is what `Collection.reduce()` gives (each metric's own
+  `_reduce_merge`, so `LastValue` averages), but clu runs a `lax.scan` per
+  metric for it, about 0.1 s on host arrays; here each merge is a few numpy
+  additions.
+  """
+
+  def merge(metric):
+    parts = [jax.tree.map(lambda x, i=i: x[i], metric)
+             for i in range(np.shape(jax.tree.leaves(metric)[0])[0])]
+    return functools.reduce(lambda a, b: a._reduce_merge(b), parts)
+
+  return type(collection)(**{name: merge(m) for name, m in vars(collection).items()})
 
 
 def first_along_leading_axis(tree: PyTree) -> PyTree:

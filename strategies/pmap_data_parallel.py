@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import flax.jax_utils
 import jax
 import ml_collections
@@ -14,7 +16,6 @@ from strategies.base import (
   StepFn,
   Strategy,
   abstract_with_sharding,
-  first_along_leading_axis,
 )
 from strategies.registry import register
 
@@ -82,8 +83,13 @@ class PmapDataParallel(Strategy):
   def replica_rng(self, rng: jax.Array) -> jax.Array:
     return jax.random.fold_in(rng, jax.lax.axis_index(AXIS))
 
-  def metrics_to_host(self, metrics: PyTree) -> PyTree:
-    return first_along_leading_axis(metrics)  # Identical on every replica after the merge.
+  def metrics_to_host(self, metrics: Sequence[PyTree]) -> PyTree:
+    # Identical on every replica after the in-step merge: fetch device 0's copy only.
+    return super().metrics_to_host(
+        [jax.tree.map(lambda x: x.addressable_shards[0].data, m) for m in metrics])
+
+  def merge_device_axis(self, metrics: PyTree) -> PyTree:
+    return jax.tree.map(lambda x: x[0], metrics)  # Device 0's slice of the replica axis.
 
   def outputs_to_host(self, outputs: PyTree) -> PyTree:
     return jax.tree.map(

@@ -16,6 +16,7 @@ from strategies.base import (
   abstract_with_sharding,
   first_along_leading_axis,
   member_rng,
+  merge_along_leading_axis,
 )
 from strategies.registry import register
 
@@ -77,9 +78,9 @@ class PmapEnsemble(Strategy):
   def member_index(self) -> jax.Array:
     return jax.lax.axis_index(AXIS)
 
-  def metrics_to_host(self, metrics: PyTree) -> PyTree:
+  def merge_device_axis(self, metrics: PyTree) -> PyTree:
     # Member metrics differ per device; merging them averages over members.
-    return jax.device_get(metrics).reduce()
+    return merge_along_leading_axis(metrics)
 
   def outputs_to_host(self, outputs: PyTree) -> PyTree:
     return first_along_leading_axis(outputs)  # Identical on every member after pmean.

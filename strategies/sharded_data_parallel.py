@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 from collections.abc import Sequence
 
 import flax.linen as nn
@@ -109,6 +110,34 @@ def check_one_mesh_axis_per_parameter(logical_specs: PyTree, rules: LogicalRules
           used[mesh_axis] = names
 
 
+def warn_if_no_parameter_is_sharded(logical_specs: PyTree, rules: LogicalRules) -> None:
+  """Warns when the table has parameter rules (besides `batch`) but none matches a parameter.
+
+  Such a table usually means the model annotates other logical names (or none):
+  every device then holds the whole model and the mesh axes those rules name
+  do the same work on every device.
+
+  Args:
+    logical_specs: `nn.get_partition_spec` of an abstract state (logical names).
+  """
+  parameter_rules = [(logical, target) for logical, target in rules
+                     if logical != "batch" and target is not None]
+  if not parameter_rules:
+    return
+  annotated = set()
+  for spec in jax.tree.leaves(logical_specs, is_leaf=lambda x: isinstance(x, PartitionSpec)):
+    if isinstance(spec, PartitionSpec):
+      for name in spec:
+        annotated.update((name,) if isinstance(name, str) else tuple(name or ()))
+  if not any(logical in annotated for logical, _ in parameter_rules):
+    warnings.warn(
+        f"config.strategy.logical_axis_rules: no parameter is sharded; the rule(s) "
+        f"{', '.join(map(repr, parameter_rules))} match no logical axis of the model's "
+        f"parameters (they are annotated with {sorted(annotated) or 'no logical axes'}), so "
+        f"every device holds the whole model. Name the model's logical axes in the rules, or "
+        f"drop the rules for plain data parallelism.", UserWarning, stacklevel=2)
+
+
 @register("sharded_data_parallel")
 class ShardedDataParallel(Strategy):
   """`jit` with in/out shardings over a mesh built from the config.
@@ -150,6 +179,7 @@ class ShardedDataParallel(Strategy):
     """NamedShardings for a state from its logical annotations alone."""
     specs = nn.get_partition_spec(abstract_state)
     check_one_mesh_axis_per_parameter(specs, self.rules)
+    warn_if_no_parameter_is_sharded(specs, self.rules)
     return nn.logical_to_mesh_sharding(specs, self.mesh, self.rules)
 
   def checkpoint_target(self, abstract_state: PyTree) -> PyTree:

@@ -28,6 +28,7 @@ from strategies.base import (
     abstract_with_sharding,
     first_along_leading_axis,
     member_rng,
+    merge_along_leading_axis,
 )
 from strategies.registry import register
 
@@ -180,8 +181,8 @@ class ShardedEnsemble(Strategy):
 
   # -- Host views and checkpoints ----------------------------------------------------
 
-  def metrics_to_host(self, metrics: PyTree) -> PyTree:
-    return jax.device_get(metrics).reduce()  # Merging member metrics averages them.
+  def merge_device_axis(self, metrics: PyTree) -> PyTree:
+    return merge_along_leading_axis(metrics)  # Merging member metrics averages them.
 
   def outputs_to_host(self, outputs: PyTree) -> PyTree:
     return first_along_leading_axis(outputs)  # Ensemble means: the same for every member.

@@ -44,9 +44,11 @@ def test_batch_size_counts_only_the_data_axes_of_a_2d_mesh():
     MLPTrainer(mlp_config(batch_size=5))
 
 
-def test_eval_batch_size_is_checked_too():
-  with pytest.raises(ValueError, match=r"config\.eval_batch_size=20 .*8 data replicas"):
-    _NeverBuilt(cnn_config(**{"strategy.name": "pmap_data_parallel", "eval_batch_size": 20}))
+@pytest.mark.parametrize("value", [0, -8])
+def test_eval_batch_size_must_be_a_positive_integer(value):
+  # Any positive size works (eval pads); zero or negative sizes do not.
+  with pytest.raises(ValueError, match=rf"config\.eval_batch_size={value} must be a positive"):
+    _NeverBuilt(cnn_config(**{"strategy.name": "pmap_data_parallel", "eval_batch_size": value}))
 
 
 def test_mesh_shape_must_cover_the_devices():

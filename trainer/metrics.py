@@ -1,8 +1,6 @@
 """clu metric collections for training and evaluation, and calibration metrics."""
 
 # No `from __future__ import annotations`: clu reads metric classes from annotations.
-import functools
-from collections.abc import Sequence
 
 import flax
 import jax
@@ -76,8 +74,9 @@ class CalibrationError(metrics.Metric):
 
   def compute(self) -> jax.Array:
     # The bins are the last axis; any leading axis (members) is averaged over.
-    gaps = jnp.abs(self.correct - self.confidence).sum(-1)
-    return (gaps / jnp.maximum(self.count.sum(-1), 1)).mean()
+    # Array methods only, so host (numpy) metrics compute without a jax op.
+    gaps = abs(self.correct - self.confidence).sum(-1)
+    return (gaps / self.count.sum(-1).clip(min=1)).mean()
 
 
 @flax.struct.dataclass
@@ -136,11 +135,6 @@ class EnsembleEvalMetrics(metrics.Collection):
   ensemble_ece: CalibrationError.from_output("ensemble_probs")
   member_ece: MemberCalibrationError
   disagreement: metrics.Average.from_output("disagrees")
-
-
-def merge_all(collections: Sequence[metrics.Collection]) -> metrics.Collection:
-  """Merges a sequence of host-side collections in order (steps or batches)."""
-  return functools.reduce(lambda a, b: a.merge(b), collections)
 
 
 def scalars(collection: metrics.Collection) -> dict[str, float]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import functools
 import logging
 import signal
 import threading
@@ -30,6 +31,7 @@ from clu import metric_writers
 from clu import metrics as clu_metrics
 
 from strategies import Strategy, create_strategy
+from strategies.base import keypath_str
 from trainer import metrics as metrics_lib
 from trainer.checkpoint import Checkpointer, CheckpointError
 from trainer.optim import create_optimizer
@@ -46,6 +48,32 @@ NONFINITE_ACTIONS = ("stop", "skip")
 
 class NonFiniteError(FloatingPointError):
   """A train step produced a non-finite loss or gradient norm under `nonfinite='stop'`."""
+
+
+class BatchKeyError(KeyError):
+  """A hook read a batch entry that the batch does not have."""
+
+  def __str__(self) -> str:  # KeyError would show the message quoted, as a key.
+    return str(self.args[0])
+
+
+def wait_for_previous_call(outputs: list) -> None:
+  """Keeps one compiled call queued behind the running one: blocks on the call before the last.
+
+  On XLA:CPU with several (fake) devices, many queued programs that contain
+  collectives deadlock in the collective's rendezvous ("Expected 8 threads to
+  join the rendezvous"): measured here, back-to-back train steps or eval calls
+  under `sharded_data_parallel` hung within 2000 calls, while the same calls
+  with one in flight ran 2000 train steps and 4000 eval calls. Waiting on the
+  previous call costs no device time: the next one is already queued.
+  """
+  if len(outputs) > 1:
+    jax.block_until_ready(outputs[-2])
+
+
+def _batch_size(batch: Batch) -> int:
+  """The leading dimension shared by a batch's arrays."""
+  return int(np.shape(jax.tree.leaves(batch)[0])[0])
 
 
 def _models(num_members: int) -> str:
@@ -122,7 +150,13 @@ class Trainer(abc.ABC):
     self.strategy = strategy if strategy is not None else create_strategy(config)
     self.strategy.check_batch_size(config.batch_size)
     self.eval_batch_size = config.get("eval_batch_size", config.batch_size)
-    self.strategy.check_batch_size(self.eval_batch_size, field="eval_batch_size")
+    if not isinstance(self.eval_batch_size, int) or self.eval_batch_size < 1:
+      raise ValueError(f"config.eval_batch_size={self.eval_batch_size!r} must be a positive "
+                       f"integer (any size: eval batches are padded to split evenly).")
+    # Eval and predict run on chunks of `eval_batch_size` examples, padded (and
+    # masked) up to the next multiple of the data replicas: one compiled shape.
+    replicas = self.strategy.num_data_replicas
+    self._padded_eval_size = -(-self.eval_batch_size // replicas) * replicas
     self.nonfinite = config.get("nonfinite", "stop")
     if self.nonfinite not in NONFINITE_ACTIONS:
       raise ValueError(f"config.nonfinite={self.nonfinite!r} is not one of "
@@ -130,7 +164,8 @@ class Trainer(abc.ABC):
                        f"gradient norm, 'skip' leaves such updates out and counts them.")
     self.model = self.build_model()
     self.optimizer = self.build_optimizer()
-    self._compiled: dict[str, Callable] = {}
+    self._compiled: dict[str, Callable] = {}  # Step name -> the strategy's compiled step.
+    self._traced: set[str] = set()  # Eval-side steps traced ahead of their first use.
     #: (step, results) of every evaluation `fit` ran, oldest first.
     self.eval_history: list[tuple[int, dict[str, float]]] = []
     #: Steps whose update `nonfinite='skip'` left out, in this process.
@@ -166,7 +201,7 @@ class Trainer(abc.ABC):
   def eval_metrics(self, outputs: Any, batch: Batch) -> clu_metrics.Collection:
     """Metrics of one eval batch; `batch['mask']` marks the real (unpadded) examples."""
     return metrics_lib.LossMetrics.single_from_model_output(
-        loss=self.loss(outputs, batch), mask=batch[MASK_KEY])
+        loss=self._per_example_loss(outputs, batch), mask=batch[MASK_KEY])
 
   def prediction(self, outputs: Any) -> jax.Array:
     """What an ensemble averages over members: class probabilities by default."""
@@ -174,19 +209,51 @@ class Trainer(abc.ABC):
 
   # -- Pure step functions (single-replica terms; compiled by the strategy) --
 
+  def _per_example_loss(self, outputs: Any, batch: Batch) -> jax.Array:
+    """`self.loss`, checked (while tracing) to give one loss per example."""
+    loss = self.loss(outputs, batch)
+    n = _batch_size(batch)
+    if jnp.ndim(loss) != 1 or jnp.shape(loss)[0] != n:
+      raise ValueError(
+          f"{type(self).__name__}.loss returned shape {tuple(jnp.shape(loss))} for a batch of "
+          f"{n} examples (the part one data replica sees); it must return one loss per "
+          f"example, shape ({n},). The Trainer takes the mean itself, over data replicas "
+          f"too: return the per-example values (e.g. a per-token loss averaged over "
+          f"tokens only), not their mean.")
+    return loss
+
+  def _explaining_missing_keys(self, fn: Callable) -> Callable:
+    """`fn(state_or_rng, batch)`, where reading an entry the batch lacks names those it has."""
+
+    @functools.wraps(fn)
+    def wrapped(first, batch):
+      try:
+        return fn(first, batch)
+      except KeyError as e:
+        key = e.args[0] if e.args else None
+        if isinstance(e, BatchKeyError) or not isinstance(batch, Mapping) or key in batch:
+          raise
+        raise BatchKeyError(
+            f"the batch has no entry {key!r}; its entries are {sorted(batch)}. "
+            f"{type(self).__name__} reads input_key={self.input_key!r} and target_key="
+            f"{self.target_key!r}: set them on the Trainer subclass to the batch's names, "
+            f"or override the hook that reads {key!r}.") from e
+
+    return wrapped
+
   def init_fn(self, example_batch: Batch) -> Callable[[jax.Array], TrainState]:
     """`rng -> TrainState` for a model fed batches shaped like `example_batch`."""
     shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype),
                           dict(example_batch))
 
-    def init(rng: jax.Array) -> TrainState:
+    def init(rng: jax.Array, zeros: Batch) -> TrainState:
       params_rng, state_rng = jax.random.split(rng)
-      zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
       variables = self.model.init({"params": params_rng}, zeros[self.input_key])
       return TrainState.create(apply_fn=self.model.apply, params=variables["params"],
                                tx=self.optimizer, rng=state_rng)
 
-    return init
+    init = self._explaining_missing_keys(init)
+    return lambda rng: init(rng, jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes))
 
   def train_step(self, state: TrainState, batch: Batch) -> tuple[TrainState, PyTree]:
     """One optimizer update: `(state, batch) -> (state, {'metrics', 'finite'})`.
@@ -199,7 +266,7 @@ class Trainer(abc.ABC):
 
     def loss_fn(params):
       outputs = self.apply_model(params, batch, rngs={"dropout": rng}, train=True)
-      per_example = self.loss(outputs, batch)
+      per_example = self._per_example_loss(outputs, batch)
       return jnp.mean(per_example), (per_example, outputs)
 
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
@@ -233,13 +300,47 @@ class Trainer(abc.ABC):
       rng = jax.random.PRNGKey(self.config.seed)
     return self.strategy.create_state(self.init_fn(example_batch), rng)
 
-  def _compile(self, name: str, fn: Callable, state: TrainState) -> Callable:
-    """Compiles each step function once per Trainer."""
+  def _compiled_step(self, name: str, state: TrainState) -> Callable:
+    """The strategy's compiled `{name}_step` ('train', 'eval' or 'predict'), made once."""
     if name not in self._compiled:
+      fn = self._explaining_missing_keys(getattr(self, f"{name}_step"))
       compile_fn = (self.strategy.compile_train_step if name == "train"
                     else self.strategy.compile_eval_step)
       self._compiled[name] = compile_fn(fn, state)
     return self._compiled[name]
+
+  def compiled_train_step(self, state: TrainState) -> Callable:
+    """The compiled `(state, placed batch) -> (state, outputs)` that `fit` calls each step."""
+    return self._compiled_step("train", state)
+
+  def _trace_eval_steps(self, state: TrainState, example_batch: Batch) -> None:
+    """Traces the eval and predict steps once, so their errors show before training."""
+    chunk = None
+    for name in ("eval", "predict"):
+      if name not in self._traced:
+        if chunk is None:
+          chunk = self.strategy.put_batch(next(self._eval_chunks(example_batch))[0])
+        self._compiled_step(name, state).lower(state, chunk)  # jit keeps the trace.
+        self._traced.add(name)
+
+  def _eval_chunks(self, batch: Batch) -> Iterator[tuple[dict[str, np.ndarray], int]]:
+    """`(padded chunk, real examples)` for `eval_batch_size` slices of a host batch."""
+    n = _batch_size(batch)
+    for start in range(0, n, self.eval_batch_size):
+      part = {k: np.asarray(v)[start:start + self.eval_batch_size] for k, v in batch.items()}
+      yield pad_batch(part, self._padded_eval_size), min(self.eval_batch_size, n - start)
+
+  def _check_train_batch(self, batch: Batch, step: int) -> None:
+    """Raises unless every array of the batch for `step` holds `config.batch_size` examples."""
+    want = self.config.batch_size
+    for path, x in jax.tree_util.tree_leaves_with_path(batch):
+      if not np.ndim(x) or np.shape(x)[0] != want:
+        got = f"{np.shape(x)[0]} examples" if np.ndim(x) else "a scalar"
+        raise ValueError(
+            f"the train batch for step {step} holds {got} in {keypath_str(path)!r} (shape "
+            f"{np.shape(x)}) but config.batch_size={want}; every train batch must hold "
+            f"exactly batch_size examples (the step is compiled for that shape). Drop the "
+            f"short last batch of an epoch (tf.data: drop_remainder=True) or pad it.")
 
   def step_of(self, state: TrainState) -> int:
     """The host value of the state's step (all members step together)."""
@@ -275,6 +376,10 @@ class Trainer(abc.ABC):
       The final state.
 
     Raises:
+      ValueError: a train batch does not hold `config.batch_size` examples
+        (raised before that step runs), or a hook's output has the wrong shape
+        (raised while the steps are traced, before training).
+      BatchKeyError: a hook reads a batch entry the batch does not have.
       NonFiniteError: a step's loss or gradient norm was not finite under
         `nonfinite='stop'`; no checkpoint of a non-finite state is written.
       CheckpointError: a checkpoint could not be read, restored or written.
@@ -292,6 +397,7 @@ class Trainer(abc.ABC):
     else:
       batches = iter(train_batches)
     first = next(batches)
+    self._check_train_batch(first, start)
     if state is None:
       state = (self.restore_checkpoint(checkpointer, first, step=resume_step)
                if resume_step else self.init_state(first))
@@ -299,7 +405,11 @@ class Trainer(abc.ABC):
       logging.info("Resuming at step %d from %s", resume_step, checkpointer.step_dir(resume_step))
     if logging.getLogger().isEnabledFor(logging.INFO):  # The summary reads every shard.
       logging.info("Strategy %s", self.strategy.summary(state))
-    step_fn = self._compile("train", self.train_step, state)
+    step_fn = self.compiled_train_step(state)
+    # Eval and predict are traced now, so that a mistake in them stops the run
+    # before it trains rather than at the first evaluation.
+    example_eval = next(iter(eval_batches()), None) if eval_batches is not None else None
+    self._trace_eval_steps(state, first if example_eval is None else example_eval)
     log_every = self.config.get("log_every_steps", 100)
     eval_every = self.config.get("eval_every_steps", 0)
 
@@ -320,11 +430,12 @@ class Trainer(abc.ABC):
       while step < num_steps:
         state, out = step_fn(state, self.strategy.put_batch(batch))
         step += 1
-        settle()  # The previous step's flag: one step stays in flight.
+        # The previous step's flag: one step stays in flight (`wait_for_previous_call`).
+        settle()
         unchecked.append((step, out["finite"]))
         pending.append(out["metrics"])
         if step % log_every == 0 or step == num_steps:
-          merged = metrics_lib.merge_all([self.strategy.metrics_to_host(m) for m in pending])
+          merged = self.strategy.metrics_to_host(pending)  # One transfer, numpy merges.
           scalars = {f"train/{k}": v for k, v in metrics_lib.scalars(merged).items()}
           scalars.update(self._progress(step, num_steps, len(pending), time.perf_counter() - tick))
           if self.nonfinite == "skip":
@@ -351,6 +462,7 @@ class Trainer(abc.ABC):
           tick = time.perf_counter()
         if step < num_steps:
           batch = next(batches)
+          self._check_train_batch(batch, step)
       settle()
     if step == start >= num_steps and eval_batches is not None:
       # Nothing left to train (a finished run restarted): evaluate the final state.
@@ -462,18 +574,39 @@ class Trainer(abc.ABC):
 
   def compiled_train_step_text(self, state: TrainState, example_batch: Batch) -> str:
     """The optimised HLO of the train step as the strategy compiles it (collectives included)."""
-    step_fn = self._compile("train", self.train_step, state)
+    step_fn = self.compiled_train_step(state)
     return step_fn.lower(state, self.strategy.put_batch(example_batch)).compile().as_text()
 
   def evaluate(self, state: TrainState, batches: Iterable[Batch]) -> dict[str, float]:
-    """Eval metrics over all `batches`, padding short ones and masking the padding."""
-    step_fn = self._compile("eval", self.eval_step, state)
-    outputs = [step_fn(state, self.strategy.put_batch(pad_batch(b, self.eval_batch_size)))
-               for b in batches]
-    return metrics_lib.scalars(
-        metrics_lib.merge_all([self.strategy.metrics_to_host(m) for m in outputs]))
+    """Eval metrics over all `batches`, of any size.
+
+    Each batch is cut into `eval_batch_size` chunks, each padded to a size the
+    strategy can split, with the padding masked out of the metrics.
+
+    Raises:
+      ValueError: `batches` is empty.
+    """
+    step_fn = self._compiled_step("eval", state)
+    outputs = []
+    for batch in batches:
+      for chunk, _ in self._eval_chunks(batch):
+        outputs.append(step_fn(state, self.strategy.put_batch(chunk)))
+        wait_for_previous_call(outputs)
+    if not outputs:
+      raise ValueError("evaluate() got no eval batches (an empty iterable).")
+    return metrics_lib.scalars(self.strategy.metrics_to_host(outputs))
 
   def predict(self, state: TrainState, batch: Batch) -> np.ndarray:
-    """Host predictions for one batch (ensemble means for ensemble strategies)."""
-    step_fn = self._compile("predict", self.predict_step, state)
-    return self.strategy.outputs_to_host(step_fn(state, self.strategy.put_batch(dict(batch))))
+    """Host predictions for a batch of any size (ensemble means for ensembles).
+
+    The batch runs in padded `eval_batch_size` chunks, like evaluation.
+    """
+    step_fn = self._compiled_step("predict", state)
+    outputs, sizes = [], []
+    for chunk, real in self._eval_chunks(dict(batch)):
+      outputs.append(step_fn(state, self.strategy.put_batch(chunk)))
+      sizes.append(real)
+      wait_for_previous_call(outputs)
+    parts = [jax.tree.map(lambda x, n=real: x[:n], self.strategy.outputs_to_host(out))
+             for out, real in zip(outputs, sizes, strict=True)]
+    return jax.tree.map(lambda *xs: np.concatenate(xs), *parts)
