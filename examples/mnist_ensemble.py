@@ -43,7 +43,8 @@ def train_and_evaluate(config, workdir: str) -> dict[str, float] | None:
   trainer = MNISTTrainer(config)
   checkpointer = Checkpointer.from_config(config, workdir)
   builder = data.prepare(config.data.name, config.data.data_dir, config.data.manual_dir)
-  train, test = data.load_split(builder, "train"), data.load_split(builder, "test")
+  train = data.load_split(builder, config.data.train_split, field="data.train_split")
+  test = data.load_split(builder, config.data.eval_split, field="data.eval_split")
   num_steps = data.num_train_steps(config, len(train))
   logging.info("Training %d steps (%d examples per epoch) with %s", num_steps, len(train),
                trainer.strategy.describe())

@@ -1,6 +1,10 @@
 """Test setup: 8 fake CPU devices (set before jax initialises) and small trainers."""
 
+import dataclasses
 import os
+import pathlib
+import re
+import subprocess
 
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
@@ -11,10 +15,12 @@ import jax.numpy as jnp  # noqa: E402
 import ml_collections  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+import readme_commands  # noqa: E402
 
 import models  # noqa: E402
 from configs import mlp_sharded, mnist_ensemble  # noqa: E402
 from trainer import ClassificationTrainer, Trainer  # noqa: E402
+from trainer import data as data_lib  # noqa: E402
 
 NUM_DEVICES = 8
 
@@ -82,3 +88,42 @@ def leaves(tree):
 @pytest.fixture(scope="session", autouse=True)
 def _eight_devices():
   assert jax.device_count() == NUM_DEVICES, "fake CPU devices were not configured"
+
+
+# -- The README's commands (tests/readme_commands.py) ----------------------------------------
+
+
+@pytest.fixture(scope="session")
+def readme_runner(tmp_path_factory):
+  root = tmp_path_factory.mktemp("readme")
+  return readme_commands.Runner(root=root, data_dir=root / "tfds")
+
+
+@dataclasses.dataclass
+class RealMnistRun:
+  command: str  # The README line.
+  result: subprocess.CompletedProcess
+  workdir: pathlib.Path
+
+
+@pytest.fixture(scope="session")
+def real_mnist_run(readme_runner) -> RealMnistRun:
+  """The README's first command on the real MNIST files, 200 steps, once per session.
+
+  Installing is what CI's own `.ci/run` does; this runs what the command
+  then runs: the flagship example with `--config.data.manual_dir` pointing at
+  the IDX files, so TFDS prepares MNIST from them (into the session's
+  TFDS_DATA_DIR, which the README's later commands then read).
+  """
+  if not all((readme_commands.MNIST_DIR / f).is_file()
+             for f in data_lib.MNIST_FILES):
+    if os.environ.get("CI") == "true":
+      pytest.fail(f"the real MNIST files are missing from {readme_commands.MNIST_DIR}; CI "
+                  f"must run the README's first command on them")
+    pytest.skip(f"real MNIST files not found in {readme_commands.MNIST_DIR}")
+  command = next(c for c in readme_commands.commands() if "pip install" in c
+                 and readme_commands.script_of(c) == "examples/mnist_ensemble.py")
+  workdir = readme_runner.path(re.search(r"--workdir=/tmp/(\S+)", command).group(1))
+  result = readme_runner.run(command, extra=["--config.num_train_steps=200",
+                                             "--config.log_every_steps=50"])
+  return RealMnistRun(command, result, workdir)

@@ -108,3 +108,14 @@ def test_prepare_from_real_files_is_offline(tmp_path):
   (manual / "train-labels-idx1-ubyte.gz").unlink()
   with pytest.raises(FileNotFoundError, match="train-labels-idx1-ubyte.gz"):
     data.prepare("mnist", str(tmp_path / "tfds"), str(manual))
+
+
+def test_split_slices_and_unknown_splits(real_mnist_run, readme_runner):
+  # MNIST as the README's first command prepared it (mock_data ignores slices).
+  builder = tfds.builder("mnist", data_dir=str(readme_runner.data_dir))
+  part = data.load_split(builder, "test[:1000]")
+  assert len(part) == 1000
+  np.testing.assert_array_equal(part.labels, data.load_split(builder, "test").labels[:1000])
+  with pytest.raises(ValueError, match=r"config\.data\.eval_split='tset' is not a split of "
+                                       r"'mnist' \(its splits: test, train"):
+    data.load_split(builder, "tset", field="data.eval_split")

@@ -1,8 +1,9 @@
 """The MNIST ensemble example through its real entry point.
 
-One test runs the real MNIST files through TFDS in a subprocess (the entry
-point sets its own 8 CPU devices from `config.num_cpu_devices`); the others
-run the same `train_and_evaluate` in-process on `tfds.testing.mock_data`.
+One test checks the README's first command, run on the real MNIST files
+through TFDS in a subprocess (the entry point sets its own 8 CPU devices from
+`config.num_cpu_devices`); the others run the same `train_and_evaluate`
+in-process on `tfds.testing.mock_data`.
 """
 
 import importlib
@@ -16,7 +17,6 @@ import pytest
 import tensorflow_datasets as tfds
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-MNIST_DIR = ROOT.parent / "shared" / "data" / "mnist"
 EXAMPLE = ROOT / "examples" / "mnist_ensemble.py"
 
 ENSEMBLE_KEYS = {"ensemble_accuracy", "member_accuracy", "ensemble_nll", "member_nll",
@@ -35,23 +35,9 @@ def _example_env():
   return env
 
 
-def _mnist_files_or_skip():
-  if not all((MNIST_DIR / f).is_file() for f in ("train-images-idx3-ubyte.gz",
-                                                  "t10k-labels-idx1-ubyte.gz")):
-    if os.environ.get("CI") == "true":
-      pytest.fail(f"the real MNIST files are missing from {MNIST_DIR}; CI must run this test")
-    pytest.skip(f"real MNIST files not found in {MNIST_DIR}")
-
-
-def test_real_mnist_ensemble_through_the_entry_point(tmp_path):
-  _mnist_files_or_skip()
-  workdir = tmp_path / "workdir"
-  result = subprocess.run(
-      [sys.executable, str(EXAMPLE), f"--workdir={workdir}",
-       f"--config={ROOT / 'configs' / 'mnist_ensemble.py'}",
-       "--config.num_train_steps=200", "--config.log_every_steps=50",
-       f"--config.data.manual_dir={MNIST_DIR}", f"--config.data.data_dir={tmp_path / 'tfds'}"],
-      cwd=tmp_path, env=_example_env(), capture_output=True, text=True, timeout=900)
+def test_real_mnist_ensemble_through_the_entry_point(real_mnist_run, readme_runner):
+  """The README's first command, 200 steps on the real files (see conftest.real_mnist_run)."""
+  result, workdir = real_mnist_run.result, real_mnist_run.workdir
   assert result.returncode == 0, result.stderr[-5000:]
   assert "CPU devices: 8" in result.stderr
 
@@ -74,7 +60,7 @@ def test_real_mnist_ensemble_through_the_entry_point(tmp_path):
           for v in e.summary.value}
   assert {"train/loss", "eval/ensemble_accuracy", "eval/ensemble_ece"} <= tags
   # TFDS prepared MNIST from the IDX files into the configured data_dir.
-  assert list((tmp_path / "tfds" / "mnist").glob("*/mnist-train.tfrecord*"))
+  assert list((readme_runner.data_dir / "mnist").glob("*/mnist-train.tfrecord*"))
 
 
 @pytest.fixture(scope="module")

@@ -18,6 +18,10 @@ def _counting(base):
       self.traces["eval"] += 1
       return super().eval_step(state, batch)
 
+    def predict_step(self, state, batch):
+      self.traces["predict"] += 1
+      return super().predict_step(state, batch)
+
   return Counting
 
 
@@ -27,18 +31,22 @@ def test_cnn_steps_trace_once(strategy):
   trainer = _counting(CNNTrainer)(cnn_config(**{
       "strategy.name": strategy, "ensemble_size": 8, "eval_every_steps": 4,
       "log_every_steps": 5}))
-  trainer.traces = {"train": 0, "eval": 0}
+  trainer.traces = {"train": 0, "eval": 0, "predict": 0}
   batches = image_batches(STEPS, 16)
   # Three eval rounds of 5 batches each; the last batch is short and gets padded.
   eval_set = batches[:4] + [{k: v[:5] for k, v in batches[4].items()}]
   state = trainer.fit(batches, num_steps=STEPS, eval_batches=lambda: eval_set)
   assert trainer.strategy.to_canonical(state.step).max() == STEPS
-  assert trainer.traces == {"train": 1, "eval": 1}
+  # fit traced predict before training; predicting any batch size reuses that trace.
+  assert trainer.traces == {"train": 1, "eval": 1, "predict": 1}
+  assert trainer.predict(state, eval_set[4]).shape == (5, 10)
+  assert trainer.predict(state, batches[0]).shape == (16, 10)
+  assert trainer.traces == {"train": 1, "eval": 1, "predict": 1}
 
 
 def test_sharded_mlp_step_traces_once():
   trainer = _counting(MLPTrainer)(mlp_config(eval_every_steps=6))
-  trainer.traces = {"train": 0, "eval": 0}
+  trainer.traces = {"train": 0, "eval": 0, "predict": 0}
   batches = vector_batches(STEPS, 16, 8)
   trainer.fit(batches, num_steps=STEPS, eval_batches=lambda: batches[:3])
-  assert trainer.traces == {"train": 1, "eval": 1}
+  assert trainer.traces == {"train": 1, "eval": 1, "predict": 1}

@@ -101,13 +101,24 @@ class Split:
             "label": self.labels[indices]}
 
 
-def load_split(builder, split: str, chunk: int = 10_000) -> Split:
-  """Reads a whole prepared split into host memory.
+def load_split(builder, split: str, chunk: int = 10_000, field: str = "split") -> Split:
+  """Reads a whole prepared split (or a TFDS slice of one, e.g. `train[:10%]`) into memory.
 
   Reads in chunks rather than with `batch_size=-1`, which aborts TensorFlow on
   datasets of unknown cardinality (such as `tfds.testing.mock_data`'s).
+
+  Raises:
+    ValueError: `split` names no split of the dataset, or is not a valid slice;
+      the message names the config `field` it came from.
   """
-  chunks = list(tfds.as_numpy(builder.as_dataset(split=split, batch_size=chunk)))
+  try:
+    dataset = builder.as_dataset(split=split, batch_size=chunk)
+  except (ValueError, KeyError, AssertionError) as e:
+    raise ValueError(
+        f"config.{field}={split!r} is not a split of {builder.info.name!r} (its splits: "
+        f"{', '.join(sorted(builder.info.splits))}; a TFDS slice such as "
+        f"'train[:10%]' or 'test[:1000]' also works): {e}") from e
+  chunks = list(tfds.as_numpy(dataset))
   return Split(images=np.concatenate([c["image"] for c in chunks]).astype(np.uint8),
                labels=np.concatenate([c["label"] for c in chunks]).astype(np.int32))
 

@@ -1,0 +1,112 @@
+"""The README's shell commands, and how the tests run each of them with few steps.
+
+A command is a line of a ```bash block (lines ending in `\\` continue).
+`Runner` runs one as a user would from the repository root: the README's
+`.venv/bin/...` programs are this interpreter's, paths under `/tmp/` move into
+a test directory, and flags that cut the run short (few steps, a slice of
+MNIST) are appended, so the rest of the command line is exactly the README's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pathlib
+import re
+import shlex
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+MNIST_DIR = ROOT.parent / "shared" / "data" / "mnist"
+BIN = pathlib.Path(sys.executable).parent
+
+#: Flags appended to a script's README command so that it runs in seconds.
+FEW_STEPS = {
+    "examples/mnist_ensemble.py": [
+        "--config.num_train_steps=2", "--config.log_every_steps=1",
+        "--config.data.train_split=train[:512]", "--config.data.eval_split=test[:600]"],
+    "examples/transformer_lm.py": [
+        "--config.num_train_steps=2", "--config.log_every_steps=1",
+        "--config.eval_every_steps=0"],
+    "benchmarks/strategy_step_time.py": ["--steps", "1", "--batch", "16"],
+    "benchmarks/ensemble_step_time.py": ["--steps", "1", "--repeats", "1", "--batch", "16"],
+    "benchmarks/loop_overhead.py": ["--pairs", "1", "--block-seconds", "0", "--batch", "16"],
+}
+
+#: What a script's standard output shows when it did its job.
+EXPECTED_OUTPUT = {
+    "examples/mnist_ensemble.py": r"(^|\s)(ensemble_)?accuracy=\d\.\d{4}",
+    "examples/transformer_lm.py": r"(^|\s)loss=\d+\.\d{4}",
+    "benchmarks/strategy_step_time.py": r"pmap_ensemble\s+8\s+\d",
+    "benchmarks/ensemble_step_time.py": r"sharded_ensemble 4 on 1 \(map\)\s+\d",
+    "benchmarks/loop_overhead.py": r"sharded_ensemble\s+\d\.\d{4}\s+\d\.\d{4}\s+\d\.\d{3}x",
+}
+
+
+def commands() -> list[str]:
+  """Every command line of the README's bash blocks, in order."""
+  text = README.read_text()
+  lines = []
+  for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S):
+    for line in re.sub(r"\\\n\s*", " ", block).splitlines():
+      if line.strip() and not line.lstrip().startswith("#"):
+        lines.append(" ".join(line.split()))
+  return lines
+
+
+def is_test_command(command: str) -> bool:
+  """The README's test command: CI runs it (`.ci/run`), so no test runs it again."""
+  return "-m pytest" in command
+
+
+def script_of(command: str) -> str | None:
+  """The repository script a `python` command runs, if any."""
+  match = re.search(r"\s((?:examples|benchmarks)/\S+\.py)", " " + last_step(command))
+  return match.group(1) if match else None
+
+
+def last_step(command: str) -> str:
+  """What a command runs once it has installed: the part after its last `&&`."""
+  return command.split("&&")[-1].strip()
+
+
+@dataclasses.dataclass
+class Runner:
+  """Runs README commands from the repository root with their `/tmp/` paths under `root`."""
+
+  root: pathlib.Path
+  data_dir: pathlib.Path  # TFDS_DATA_DIR: where the first command prepares MNIST.
+
+  def path(self, readme_path: str) -> pathlib.Path:
+    """Where a README `/tmp/...` path lives in this test run."""
+    return self.root / readme_path.removeprefix("/tmp/")
+
+  def argv(self, command: str, extra: list[str] | None = None) -> list[str]:
+    argv = shlex.split(last_step(command))
+    program = argv[0]
+    if program.startswith(".venv/bin/"):
+      name = program.removeprefix(".venv/bin/")
+      argv[0] = sys.executable if name == "python" else str(BIN / name)
+    mapped = [re.sub(r"(^|=)/tmp/(\S*)", lambda m: m.group(1) + str(self.path(m.group(2))), a)
+              for a in argv]
+    script = script_of(command)
+    return mapped + (FEW_STEPS.get(script, []) if extra is None else extra)
+
+  def env(self) -> dict[str, str]:
+    env = dict(os.environ)
+    env.pop("XLA_FLAGS", None)  # Each entry point makes its own devices, as for a user.
+    env["TFDS_DATA_DIR"] = str(self.data_dir)
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    return env
+
+  def run(self, command: str, extra: list[str] | None = None,
+          timeout: float = 900) -> subprocess.CompletedProcess:
+    """Runs `command` (its python part) with `extra` flags, or the few-step ones."""
+    return subprocess.run(self.argv(command, extra), cwd=ROOT, env=self.env(),
+                          capture_output=True, text=True, timeout=timeout)
+
+  def popen(self, command: str, extra: list[str]) -> subprocess.Popen:
+    return subprocess.Popen(self.argv(command, extra), cwd=ROOT, env=self.env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
