@@ -84,15 +84,15 @@ class Runner:
     return self.root / readme_path.removeprefix("/tmp/")
 
   def argv(self, command: str, extra: list[str] | None = None) -> list[str]:
-    argv = shlex.split(last_step(command))
-    program = argv[0]
+    program, *args = shlex.split(last_step(command))
+    # Only the README's own arguments move: this interpreter may itself live under /tmp/.
+    args = [re.sub(r"(^|=)/tmp/(\S*)", lambda m: m.group(1) + str(self.path(m.group(2))), a)
+            for a in args]
     if program.startswith(".venv/bin/"):
       name = program.removeprefix(".venv/bin/")
-      argv[0] = sys.executable if name == "python" else str(BIN / name)
-    mapped = [re.sub(r"(^|=)/tmp/(\S*)", lambda m: m.group(1) + str(self.path(m.group(2))), a)
-              for a in argv]
+      program = sys.executable if name == "python" else str(BIN / name)
     script = script_of(command)
-    return mapped + (FEW_STEPS.get(script, []) if extra is None else extra)
+    return [program, *args, *(FEW_STEPS.get(script, []) if extra is None else extra)]
 
   def env(self) -> dict[str, str]:
     env = dict(os.environ)

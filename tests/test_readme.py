@@ -29,6 +29,16 @@ def test_the_readme_commands_are_found():
   assert len(RUNNABLE) >= 15, RUNNABLE
 
 
+def test_readme_paths_move_but_not_the_interpreter(tmp_path, monkeypatch):
+  # CI's clone, and so its interpreter, may itself live under /tmp/.
+  monkeypatch.setattr(readme.sys, "executable", "/tmp/ci/main/.venv/bin/python")
+  runner = readme.Runner(root=tmp_path, data_dir=tmp_path / "tfds")
+  argv = runner.argv(".venv/bin/python examples/x.py --workdir=/tmp/run/a --logdir /tmp/b",
+                     extra=["--steps", "1"])
+  assert argv == ["/tmp/ci/main/.venv/bin/python", "examples/x.py",
+                  f"--workdir={tmp_path}/run/a", "--logdir", f"{tmp_path}/b", "--steps", "1"]
+
+
 @pytest.mark.parametrize("command", RUNNABLE, ids=_id)
 def test_readme_command_runs(command, readme_runner, real_mnist_run):
   if command == real_mnist_run.command:  # The first command: run once, with 200 steps.
