@@ -56,12 +56,12 @@ class Strategy(abc.ABC):
   def num_data_replicas(self) -> int:
     """How many parts the global batch is split into."""
 
-  def check_batch_size(self, global_batch_size: int, field: str = "batch_size") -> None:
+  def check_batch_size(self, global_batch_size: int) -> None:
     """Raises ValueError unless the global batch splits evenly over the data replicas."""
     replicas = self.num_data_replicas
     if global_batch_size <= 0 or global_batch_size % replicas:
       raise ValueError(
-          f"config.{field}={global_batch_size} must be a positive multiple of the "
+          f"config.batch_size={global_batch_size} must be a positive multiple of the "
           f"{replicas} data replicas of strategy {self.name!r}; "
           f"try {max(replicas, global_batch_size - global_batch_size % replicas)}.")
 

@@ -1,16 +1,14 @@
 """TFDS preparation from manual files, deterministic order, and data errors."""
 
 import gzip
-import pathlib
 import shutil
 
 import numpy as np
 import pytest
 import tensorflow_datasets as tfds
+from readme_commands import MNIST_DIR
 
 from trainer import data
-
-MNIST_DIR = pathlib.Path(__file__).resolve().parents[2] / "shared" / "data" / "mnist"
 
 
 def _fake_manual_dir(tmp_path, skip=None, corrupt=None):

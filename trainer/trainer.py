@@ -110,7 +110,7 @@ def pad_batch(batch: Batch, size: int) -> dict[str, np.ndarray]:
   Raises:
     ValueError: the batch is larger than `size`.
   """
-  n = len(next(iter(batch.values())))
+  n = _batch_size(batch)
   if n > size:
     raise ValueError(f"an eval batch of {n} examples exceeds the eval batch size {size}")
   padded = {k: np.concatenate([np.asarray(v), np.zeros((size - n,) + np.shape(v)[1:],
@@ -313,15 +313,22 @@ class Trainer(abc.ABC):
     """The compiled `(state, placed batch) -> (state, outputs)` that `fit` calls each step."""
     return self._compiled_step("train", state)
 
-  def _trace_eval_steps(self, state: TrainState, example_batch: Batch) -> None:
-    """Traces the eval and predict steps once, so their errors show before training."""
-    chunk = None
-    for name in ("eval", "predict"):
-      if name not in self._traced:
-        if chunk is None:
-          chunk = self.strategy.put_batch(next(self._eval_chunks(example_batch))[0])
-        self._compiled_step(name, state).lower(state, chunk)  # jit keeps the trace.
-        self._traced.add(name)
+  def _trace_eval_steps(self, state: TrainState, train_batch: Batch,
+                        eval_batches: Callable[[], Iterable[Batch]] | None) -> None:
+    """Traces the eval and predict steps once, so their errors show before training.
+
+    The example is the first eval batch if there are eval batches, else the
+    first train batch; it is read only while a step is still untraced.
+    """
+    untraced = [name for name in ("eval", "predict") if name not in self._traced]
+    if not untraced:
+      return
+    example = next(iter(eval_batches()), None) if eval_batches is not None else None
+    chunk = self.strategy.put_batch(
+        next(self._eval_chunks(train_batch if example is None else example))[0])
+    for name in untraced:
+      self._compiled_step(name, state).lower(state, chunk)  # jit keeps the trace.
+      self._traced.add(name)
 
   def _eval_chunks(self, batch: Batch) -> Iterator[tuple[dict[str, np.ndarray], int]]:
     """`(padded chunk, real examples)` for `eval_batch_size` slices of a host batch."""
@@ -408,8 +415,7 @@ class Trainer(abc.ABC):
     step_fn = self.compiled_train_step(state)
     # Eval and predict are traced now, so that a mistake in them stops the run
     # before it trains rather than at the first evaluation.
-    example_eval = next(iter(eval_batches()), None) if eval_batches is not None else None
-    self._trace_eval_steps(state, first if example_eval is None else example_eval)
+    self._trace_eval_steps(state, first, eval_batches)
     log_every = self.config.get("log_every_steps", 100)
     eval_every = self.config.get("eval_every_steps", 0)
 
