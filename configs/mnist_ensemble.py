@@ -34,6 +34,11 @@ def get_config() -> ml_collections.ConfigDict:
 
   config.strategy.name = "pmap_ensemble"
 
+  config.model = ml_collections.ConfigDict()
+  config.model.name = "cnn"  # "cnn" (models.CNN) or "resnet" (models.ResNet, with BatchNorm).
+  config.model.stage_sizes = (1, 1, 1)  # ResNet only: blocks per stage.
+  config.model.num_filters = 8  # ResNet only: channels of the first stage (doubling per stage).
+
   config.data = ml_collections.ConfigDict()
   config.data.name = "mnist"
   # TFDS split strings: a slice such as "train[:10%]" or "test[:1000]" trains or

@@ -1,7 +1,12 @@
-r"""Trains an MNIST CNN ensemble (or one CNN) under any registered strategy.
+r"""Trains an MNIST CNN (or BatchNorm ResNet) ensemble, or one model, under any strategy.
 
     python examples/mnist_ensemble.py --config=configs/mnist_ensemble.py \
         --workdir=/tmp/mnist_ensemble [--config.strategy.name=pmap_data_parallel]
+    python examples/mnist_ensemble.py --config=configs/mnist_resnet_ensemble.py \
+        --workdir=/tmp/mnist_resnet
+
+The ResNet's BatchNorm statistics live in the train state (`model_state`):
+per member in an ensemble, over the global batch under data parallelism.
 
 TensorBoard event files, `metrics.jsonl` and orbax checkpoints
 (`checkpoints/<step>`) go to `--workdir`. Running the same command again in
@@ -38,7 +43,13 @@ def train_and_evaluate(config, workdir: str) -> dict[str, float] | None:
 
   class MNISTTrainer(ClassificationTrainer):
     def build_model(self):
-      return models.CNN(num_classes=10)
+      m = self.config.model
+      if m.name == "resnet":
+        return models.ResNet(stage_sizes=tuple(m.stage_sizes), num_filters=m.num_filters,
+                             num_classes=10)
+      if m.name == "cnn":
+        return models.CNN(num_classes=10)
+      raise ValueError(f"config.model.name={m.name!r} is not one of ('cnn', 'resnet').")
 
   trainer = MNISTTrainer(config)
   checkpointer = Checkpointer.from_config(config, workdir)

@@ -4,8 +4,11 @@ Every module here runs unchanged under every strategy: modules carry logical
 axis annotations at most, never device or mesh knowledge.
 """
 
+from models import nnx_models
 from models.cnn import CNN
 from models.mlp import MLP, DotReluDot
+from models.resnet import ResNet, ResNetBlock
 from models.transformer import DecoderBlock, TransformerLM
 
-__all__ = ["CNN", "MLP", "DecoderBlock", "DotReluDot", "TransformerLM"]
+__all__ = ["CNN", "MLP", "DecoderBlock", "DotReluDot", "ResNet", "ResNetBlock", "TransformerLM",
+           "nnx_models"]

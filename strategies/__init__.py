@@ -1,6 +1,6 @@
 """Device-layout strategies, registered by name for `config.strategy.name`."""
 
-from strategies.base import Strategy, member_rng
+from strategies.base import BATCH_AXIS, Strategy, member_rng
 from strategies.pmap_data_parallel import PmapDataParallel
 from strategies.pmap_ensemble import PmapEnsemble
 from strategies.registry import available, create_strategy, register
@@ -9,6 +9,7 @@ from strategies.sharded_ensemble import ShardedEnsemble
 from strategies.single_device import SingleDevice
 
 __all__ = [
+    "BATCH_AXIS",
     "PmapDataParallel",
     "PmapEnsemble",
     "ShardedDataParallel",

@@ -20,6 +20,12 @@ import jax.numpy as jnp
 import numpy as np
 
 PyTree = Any
+
+#: The name of the data axis inside every step: a model written for Flax's
+#: `axis_name` pattern (`nn.BatchNorm(axis_name="batch")`, `lax.pmean(x, "batch")`)
+#: reduces over the global batch under every strategy (per member in ensembles).
+BATCH_AXIS = "batch"
+
 InitFn = Callable[[jax.Array], PyTree]
 StepFn = Callable[..., Any]
 
@@ -113,6 +119,25 @@ class Strategy(abc.ABC):
     and its outputs are not split by the strategy's own output layout."""
     return tree
 
+  @property
+  def step_sees_batch_shard(self) -> bool:
+    """Whether each step call sees only a shard of a model's batch (per-device steps).
+
+    Then a reduction over the batch inside the model (BatchNorm) must name
+    `BATCH_AXIS` to be global; a jit strategy's step sees the global batch.
+    """
+    return False
+
+  def bind_batch_axis(self, fn: Callable[[PyTree], Any], inputs: PyTree) -> Any:
+    """`fn(inputs)` with `BATCH_AXIS` bound, for per-example `inputs` (leading batch axis).
+
+    Where the step sees the whole batch, the axis is a size-1 `vmap` axis, so a
+    collective over it is the identity and reductions inside `fn` span the
+    batch `fn` sees. Strategies whose compiled step binds the name already
+    (pmap, shard_map) call `fn` directly.
+    """
+    return bind_size_one_batch_axis(fn, inputs)
+
   def member_index(self) -> jax.Array:
     """Which ensemble member the step is running for (0 without an ensemble)."""
     return jnp.zeros((), jnp.int32)
@@ -176,6 +201,25 @@ class Strategy(abc.ABC):
   def describe(self) -> str:
     """A one-line summary of the device layout."""
     return f"{self.name}: {self.num_members} member(s), {self.num_data_replicas} data replica(s)"
+
+
+def bind_size_one_batch_axis(fn: Callable[[PyTree], Any], inputs: PyTree) -> Any:
+  """`fn(inputs)` inside a size-1 `vmap` named `BATCH_AXIS` over the array leaves of `inputs`.
+
+  Non-array leaves (flags, None) pass through unchanged; every output gets the
+  size-1 axis and loses it again.
+  """
+  flat, treedef = jax.tree.flatten(inputs)
+  is_array = [isinstance(x, (jax.Array, np.ndarray)) for x in flat]
+  arrays = [x[None] for x, a in zip(flat, is_array, strict=True) if a]
+
+  def call(arrays):
+    it = iter(arrays)
+    return fn(jax.tree.unflatten(treedef, [next(it) if a else x
+                                           for x, a in zip(flat, is_array, strict=True)]))
+
+  out = jax.vmap(call, axis_name=BATCH_AXIS, axis_size=1)(arrays)
+  return jax.tree.map(lambda x: x[0], out)
 
 
 def keypath_str(path: tuple, *, drop_box: bool = False) -> str:

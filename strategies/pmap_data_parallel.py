@@ -11,6 +11,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from strategies.base import (
+  BATCH_AXIS,
   InitFn,
   PyTree,
   StepFn,
@@ -19,16 +20,20 @@ from strategies.base import (
 )
 from strategies.registry import register
 
-AXIS = "data"
+AXIS = BATCH_AXIS  # Bound by pmap: BatchNorm(axis_name="batch") averages over replicas.
 
 
 @register("pmap_data_parallel")
 class PmapDataParallel(Strategy):
   """One replica of the state per local device; each device takes 1/n of the batch.
 
-  The step runs per device under `pmap(axis_name='data')`; gradients and
+  The step runs per device under `pmap(axis_name='batch')`; gradients and
   metrics are averaged with `lax.pmean` over that axis, so every replica
-  applies the same update as a single device would on the whole batch.
+  applies the same update as a single device would on the whole batch, and a
+  BatchNorm with `axis_name='batch'` normalises over the global batch. Dropout
+  differs from a single device: each replica folds its index into the step RNG
+  (`replica_rng`), so its masks are independent draws, not a slice of the
+  single-device mask.
   """
 
   def __init__(self, devices: list[jax.Device] | None = None):
@@ -64,6 +69,13 @@ class PmapDataParallel(Strategy):
       return x.reshape((n, x.shape[0] // n) + x.shape[1:])
 
     return jax.device_put(jax.tree.map(split, batch), self._batch_sharding)
+
+  @property
+  def step_sees_batch_shard(self) -> bool:
+    return self.num_data_replicas > 1
+
+  def bind_batch_axis(self, fn, inputs):
+    return fn(inputs)  # pmap binds it.
 
   def compile_train_step(self, step_fn: StepFn, state: PyTree) -> StepFn:
     del state

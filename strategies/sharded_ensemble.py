@@ -21,6 +21,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from strategies.base import (
+    BATCH_AXIS,
     InitFn,
     PyTree,
     StepFn,
@@ -32,7 +33,7 @@ from strategies.base import (
 )
 from strategies.registry import register
 
-ENSEMBLE, DATA = "ensemble", "data"
+ENSEMBLE, DATA = "ensemble", BATCH_AXIS  # DATA: BatchNorm(axis_name="batch") reduces over it.
 MEMBERS = "members"  # The vmap axis over the members that share a device.
 LOOPS = ("unroll", "map", "vmap")
 
@@ -152,6 +153,13 @@ class ShardedEnsemble(Strategy):
     del state
     # Vectorised, so that `mean_over_members` has an axis to average over.
     return self._compile(eval_fn, "vmap", PartitionSpec(ENSEMBLE))
+
+  @property
+  def step_sees_batch_shard(self) -> bool:
+    return self.num_data_replicas > 1
+
+  def bind_batch_axis(self, fn, inputs):
+    return fn(inputs)  # shard_map binds the mesh axis.
 
   # -- In-step collectives ---------------------------------------------------------
 

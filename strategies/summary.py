@@ -44,9 +44,9 @@ def summarize(strategy, state: PyTree) -> str:
   """A table of the state's layout under `strategy`.
 
   Lists every parameter (path, global shape, partition spec, bytes on the
-  fullest device), then, for parameters and optimizer state, the bytes of one
-  copy of the model (all members for an ensemble) against the most any one
-  device holds.
+  fullest device), then, for parameters, optimizer state and model state (if
+  any), the bytes of one copy of the model (all members for an ensemble)
+  against the most any one device holds.
   """
   lines = [strategy.describe()]
   rows = []
@@ -60,7 +60,9 @@ def summarize(strategy, state: PyTree) -> str:
   for row in [header, *rows]:
     lines.append("  " + "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)))
   canonical = strategy.checkpoint_state(state)
-  for name in ("params", "opt_state"):
+  names = ("params", "opt_state") + (("model_state",) if jax.tree.leaves(
+      getattr(state, "model_state", None)) else ())
+  for name in names:
     model = total_bytes(getattr(canonical, name))
     fullest = max(bytes_per_device(getattr(state, name)).values(), default=0)
     share = f" (1/{model / fullest:.1f} of the model)" if fullest and model else ""

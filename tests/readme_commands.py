@@ -33,6 +33,8 @@ FEW_STEPS = {
     "benchmarks/strategy_step_time.py": ["--steps", "1", "--batch", "16"],
     "benchmarks/ensemble_step_time.py": ["--steps", "1", "--repeats", "1", "--batch", "16"],
     "benchmarks/loop_overhead.py": ["--pairs", "1", "--block-seconds", "0", "--batch", "16"],
+    "benchmarks/batch_axis_overhead.py": ["--pairs", "2", "--block-seconds", "0", "--batch",
+                                          "16"],
 }
 
 #: What a script's standard output shows when it did its job.
@@ -42,6 +44,7 @@ EXPECTED_OUTPUT = {
     "benchmarks/strategy_step_time.py": r"pmap_ensemble\s+8\s+\d",
     "benchmarks/ensemble_step_time.py": r"sharded_ensemble 4 on 1 \(map\)\s+\d",
     "benchmarks/loop_overhead.py": r"sharded_ensemble\s+\d\.\d{4}\s+\d\.\d{4}\s+\d\.\d{3}x",
+    "benchmarks/batch_axis_overhead.py": r"pmap_ensemble\s+\d\.\d{4}\s+\d\.\d{4}\s+\d\.\d{3}x",
 }
 
 

@@ -1,4 +1,4 @@
-"""The train state: a flax TrainState that also carries the run's RNG."""
+"""The train state: a flax TrainState that also carries the run's RNG and the model's state."""
 
 from __future__ import annotations
 
@@ -10,16 +10,21 @@ from flax.training import train_state
 
 
 class TrainState(train_state.TrainState):
-  """Params, optimizer state, step and the RNG that step RNGs are folded from.
+  """Params, optimizer state, model state, step and the RNG that step RNGs are folded from.
 
-  The step RNG is `fold_in(rng, step)`: a pure function of the state, so a
+  `model_state` holds the model's variables other than params (e.g. BatchNorm's
+  `batch_stats`): the train step replaces it, eval reads it, checkpoints keep
+  it. The step RNG is `fold_in(rng, step)`: a pure function of the state, so a
   resumed run draws the same randomness as an uninterrupted one.
   """
 
   rng: jax.Array
+  model_state: Any = None
 
   @classmethod
-  def create(cls, *, apply_fn, params, tx, rng: jax.Array, **kwargs: Any) -> TrainState:
-    state = super().create(apply_fn=apply_fn, params=params, tx=tx, rng=rng, **kwargs)
+  def create(cls, *, apply_fn, params, tx, rng: jax.Array, model_state: Any = None,
+             **kwargs: Any) -> TrainState:
+    state = super().create(apply_fn=apply_fn, params=params, tx=tx, rng=rng,
+                           model_state={} if model_state is None else model_state, **kwargs)
     # A strongly typed step keeps the step's signature fixed after the first update.
     return state.replace(step=jnp.zeros((), jnp.int32))

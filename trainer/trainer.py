@@ -15,12 +15,15 @@ import abc
 import contextlib
 import functools
 import logging
+import re
 import signal
 import threading
 import time
+import zlib
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
+import flax.errors
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -31,8 +34,9 @@ from clu import metric_writers
 from clu import metrics as clu_metrics
 
 from strategies import Strategy, create_strategy
-from strategies.base import keypath_str
+from strategies.base import BATCH_AXIS, bind_size_one_batch_axis, keypath_str
 from trainer import metrics as metrics_lib
+from trainer import model_variables
 from trainer.checkpoint import Checkpointer, CheckpointError
 from trainer.optim import create_optimizer
 from trainer.train_state import TrainState
@@ -41,6 +45,9 @@ Batch = Mapping[str, Any]
 PyTree = Any
 
 MASK_KEY = "mask"
+
+#: Folded into `state.rng` for the RNG streams of eval and predict (never a train step).
+EVAL_RNG_TAG = 0x7FFFFFFF
 
 #: What `config.nonfinite` may say a train step does with a non-finite loss or gradient.
 NONFINITE_ACTIONS = ("stop", "skip")
@@ -124,20 +131,39 @@ def pad_batch(batch: Batch, size: int) -> dict[str, np.ndarray]:
 class Trainer(abc.ABC):
   """Trains one Flax module under the strategy named in `config.strategy.name`.
 
-  Required hooks: `build_model` and `loss`. Optional hooks: `build_optimizer`,
-  `apply_model`, `train_metrics`, `eval_metrics`, `prediction`.
+  Required hooks: `build_model` (a Linen module, or a factory of an NNX one)
+  and `loss`. Optional hooks: `model_inputs` (what the model is called with),
+  `apply_model`, `build_optimizer`, `train_metrics`, `eval_metrics`,
+  `prediction`.
+
+  Model variables: `state.params` and `state.model_state` (every other
+  collection, e.g. BatchNorm's `batch_stats`: updated by the train step, read
+  by eval and predict, checkpointed). `trainer.model_variables` is the one
+  place that knows Linen from NNX.
+
+  Modes and randomness: the train step calls the model in training mode, eval
+  and predict in eval mode (see `trainer.model_variables` for how the mode
+  reaches the module). Each stream in `rng_streams` gets its own key, derived
+  from `fold_in(state.rng, step)`; `pmap_data_parallel` and `sharded_ensemble`
+  with several data replicas fold in the replica index (`Strategy.replica_rng`),
+  so their dropout masks are independent draws rather than the single-device
+  mask; `sharded_data_parallel` draws the single-device masks exactly. Ensemble
+  members draw from their own `state.rng`, so their streams differ.
 
   Config fields read here: `seed`, `batch_size`, `eval_batch_size` (defaults
   to `batch_size`), `log_every_steps`, `eval_every_steps`, `nonfinite`,
   `strategy.*`, and the optimizer fields read by `trainer.optim.create_optimizer`.
 
   Attributes:
-    input_key: the batch entry passed to the model by the default `apply_model`.
+    input_key: the batch entry passed to the model by the default `model_inputs`.
     target_key: the batch entry holding targets, for losses and metrics.
+    rng_streams: the named RNG streams the model draws from (Linen
+      `make_rng(name)`, NNX `rngs.name`); add any stream your model asks for.
   """
 
   input_key: str = "inputs"
   target_key: str = "targets"
+  rng_streams: tuple[str, ...] = ("dropout",)
 
   def __init__(self, config: ml_collections.ConfigDict, *, strategy: Strategy | None = None):
     """Builds strategy, model and optimizer, validating the config before any compute.
@@ -163,6 +189,7 @@ class Trainer(abc.ABC):
                        f"{NONFINITE_ACTIONS}: 'stop' raises at the first non-finite loss or "
                        f"gradient norm, 'skip' leaves such updates out and counts them.")
     self.model = self.build_model()
+    self.model_variables = model_variables.create(self.model)
     self.optimizer = self.build_optimizer()
     self._compiled: dict[str, Callable] = {}  # Step name -> the strategy's compiled step.
     self._traced: set[str] = set()  # Eval-side steps traced ahead of their first use.
@@ -176,8 +203,13 @@ class Trainer(abc.ABC):
   # -- Hooks a research project overrides ------------------------------------
 
   @abc.abstractmethod
-  def build_model(self) -> nn.Module:
-    """The Flax module to train."""
+  def build_model(self) -> nn.Module | Callable[..., Any]:
+    """The Flax module to train: a Linen `nn.Module`, or an NNX module's factory.
+
+    For NNX return the class (or a `functools.partial` of it) that takes
+    `rngs=`; the Trainer builds it inside the traced init, once per seed or
+    ensemble member.
+    """
 
   @abc.abstractmethod
   def loss(self, outputs: Any, batch: Batch) -> jax.Array:
@@ -187,11 +219,34 @@ class Trainer(abc.ABC):
     """The optax optimizer; by default built from the config's optimizer fields."""
     return create_optimizer(self.config)
 
-  def apply_model(self, params: PyTree, batch: Batch, *, rngs: dict[str, jax.Array] | None,
-                  train: bool) -> Any:
-    """Runs the model on one (per-replica) batch; override to pass `train` or more inputs."""
-    del train  # The default modules behave the same in training and evaluation.
-    return self.model.apply({"params": params}, batch[self.input_key], rngs=rngs)
+  def model_inputs(self, batch: Batch, *, train: bool,
+                   rngs: Mapping[str, jax.Array]) -> tuple[tuple, dict]:
+    """`(args, kwargs)` the model is called with on `batch`: `(batch[input_key],), {}`.
+
+    Override for several inputs (`(batch['inputs'], batch['targets']), {}`) or
+    an RNG argument (`rngs['z']`, with 'z' in `rng_streams`). The mode
+    arguments the module declares (`train`, `deterministic`) are added unless
+    given here.
+    """
+    del train, rngs
+    return (batch[self.input_key],), {}
+
+  def apply_model(self, params: PyTree, model_state: PyTree, batch: Batch, *,
+                  rngs: Mapping[str, jax.Array], train: bool) -> tuple[Any, PyTree]:
+    """`(outputs, new model_state)` of the model on one (per-replica) batch.
+
+    The call runs with `strategies.BATCH_AXIS` bound to the step's data axis.
+    """
+    inputs = self.model_inputs(batch, train=train, rngs=rngs)
+    return self.strategy.bind_batch_axis(
+        lambda inputs: self.model_variables.apply(
+            params, model_state, inputs, rngs=rngs, train=train,
+            require_batch_axis=self.strategy.step_sees_batch_shard), inputs)
+
+  def step_rngs(self, key: jax.Array) -> dict[str, jax.Array]:
+    """One key per stream of `rng_streams`, each a function of `key` and the stream name."""
+    return {name: jax.random.fold_in(key, zlib.crc32(name.encode()) & 0x7FFFFFFF)
+            for name in self.rng_streams}
 
   def train_metrics(self, outputs: Any, batch: Batch, loss: jax.Array) -> clu_metrics.Collection:
     """Metrics of one training step, from the per-example losses."""
@@ -223,12 +278,25 @@ class Trainer(abc.ABC):
     return loss
 
   def _explaining_missing_keys(self, fn: Callable) -> Callable:
-    """`fn(state_or_rng, batch)`, where reading an entry the batch lacks names those it has."""
+    """`fn(state_or_rng, batch)`, where reading an entry the batch lacks names those it has,
+    and a missing RNG stream or an unbound axis name says what to change."""
 
     @functools.wraps(fn)
     def wrapped(first, batch):
       try:
         return fn(first, batch)
+      except flax.errors.InvalidRngError as e:
+        raise ValueError(
+            f"{e}. {type(self).__name__}.rng_streams={self.rng_streams!r}: add the stream "
+            f"the model asks for to rng_streams.") from e
+      except NameError as e:
+        unbound = re.search(r"unbound axis name: (\w+)", str(e))
+        if not unbound or unbound.group(1) == BATCH_AXIS:
+          raise
+        raise ValueError(
+            f"{e}: inside a step the data axis is named strategies.BATCH_AXIS="
+            f"{BATCH_AXIS!r} under every strategy; use that name (e.g. "
+            f"BatchNorm(axis_name={BATCH_AXIS!r})).") from e
       except KeyError as e:
         key = e.args[0] if e.args else None
         if isinstance(e, BatchKeyError) or not isinstance(batch, Mapping) or key in batch:
@@ -248,9 +316,13 @@ class Trainer(abc.ABC):
 
     def init(rng: jax.Array, zeros: Batch) -> TrainState:
       params_rng, state_rng = jax.random.split(rng)
-      variables = self.model.init({"params": params_rng}, zeros[self.input_key])
-      return TrainState.create(apply_fn=self.model.apply, params=variables["params"],
-                               tx=self.optimizer, rng=state_rng)
+      rngs = {"params": params_rng, **self.step_rngs(params_rng)}
+      inputs = self.model_inputs(zeros, train=False, rngs=rngs)
+      # Bound (size 1) so a model that names the batch axis also inits outside a step.
+      params, model_state = bind_size_one_batch_axis(
+          lambda inputs: self.model_variables.init(rngs, inputs), inputs)
+      return TrainState.create(apply_fn=self.model_variables.apply, params=params,
+                               model_state=model_state, tx=self.optimizer, rng=state_rng)
 
     init = self._explaining_missing_keys(init)
     return lambda rng: init(rng, jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes))
@@ -262,19 +334,20 @@ class Trainer(abc.ABC):
     with `nonfinite='skip'` a non-finite step keeps the old parameters and
     optimizer state (the step counter still advances, so data stays aligned).
     """
-    rng = self.strategy.replica_rng(jax.random.fold_in(state.rng, state.step))
+    rngs = self.step_rngs(self.strategy.replica_rng(jax.random.fold_in(state.rng, state.step)))
 
     def loss_fn(params):
-      outputs = self.apply_model(params, batch, rngs={"dropout": rng}, train=True)
+      outputs, model_state = self.apply_model(params, state.model_state, batch, rngs=rngs,
+                                              train=True)
       per_example = self._per_example_loss(outputs, batch)
-      return jnp.mean(per_example), (per_example, outputs)
+      return jnp.mean(per_example), (per_example, outputs, model_state)
 
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-    (mean_loss, (per_example, outputs)), grads = grad_fn(state.params)
+    (mean_loss, (per_example, outputs, model_state)), grads = grad_fn(state.params)
     grads = self.strategy.mean_over_data(grads)
     finite = (jnp.isfinite(self.strategy.mean_over_data(mean_loss))
               & jnp.isfinite(optax.tree.norm(grads)))
-    new_state = state.apply_gradients(grads=grads)
+    new_state = state.apply_gradients(grads=grads).replace(model_state=model_state)
     if self.nonfinite == "skip":
       kept = state.replace(step=new_state.step)
       new_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old), new_state, kept)
@@ -282,14 +355,21 @@ class Trainer(abc.ABC):
         self.train_metrics(outputs, batch, per_example))
     return new_state, {"metrics": metrics, "finite": finite}
 
+  def _eval_outputs(self, state: TrainState, batch: Batch) -> Any:
+    """The model's outputs in eval mode, with RNG streams of their own (fixed per state)."""
+    rngs = self.step_rngs(self.strategy.replica_rng(jax.random.fold_in(state.rng, EVAL_RNG_TAG)))
+    outputs, _ = self.apply_model(state.params, state.model_state, batch, rngs=rngs,
+                                  train=False)
+    return outputs
+
   def eval_step(self, state: TrainState, batch: Batch) -> PyTree:
     """Metrics of one padded eval batch."""
-    outputs = self.apply_model(state.params, batch, rngs=None, train=False)
+    outputs = self._eval_outputs(state, batch)
     return self.strategy.merge_metrics_over_data(self.eval_metrics(outputs, batch))
 
   def predict_step(self, state: TrainState, batch: Batch) -> jax.Array:
     """Predictions, averaged over ensemble members where there are several."""
-    outputs = self.apply_model(state.params, batch, rngs=None, train=False)
+    outputs = self._eval_outputs(state, batch)
     return self.strategy.mean_over_members(self.strategy.whole_batch(self.prediction(outputs)))
 
   # -- Running -----------------------------------------------------------------

@@ -1,0 +1,165 @@
+"""Models written the way the Flax examples write them, as a researcher brings them.
+
+None of them knows about strategies: they use Flax's own conventions only
+(`train` / `deterministic`, `axis_name='batch'`, a `config` dataclass, two
+inputs, an RNG argument, NNX modules), and the tests train them through the
+Trainer's hooks alone.
+"""
+
+import dataclasses
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+import models
+from trainer import ClassificationTrainer, Trainer
+
+# -- A wmt-style encoder-decoder: two inputs, dropout, `deterministic` in its config ------------
+
+
+@dataclasses.dataclass(frozen=True)
+class TransformerConfig:
+  """Hyperparameters, as the Flax lm1b/wmt examples keep them (`deterministic` included)."""
+
+  vocab_size: int = 12
+  emb_dim: int = 16
+  num_heads: int = 2
+  mlp_dim: int = 32
+  dropout_rate: float = 0.2
+  deterministic: bool = False
+
+
+class EncoderDecoder(nn.Module):
+  """One encoder and one decoder layer; `__call__(inputs, targets)` gives target logits."""
+
+  config: TransformerConfig
+
+  @nn.compact
+  def __call__(self, inputs: jax.Array, targets: jax.Array) -> jax.Array:
+    cfg = self.config
+    embed = nn.Embed(cfg.vocab_size, cfg.emb_dim, name="embed")
+    dropout = lambda x: nn.Dropout(cfg.dropout_rate)(x, deterministic=cfg.deterministic)  # noqa: E731
+    attention = functools.partial(nn.MultiHeadDotProductAttention, num_heads=cfg.num_heads,
+                                  dropout_rate=cfg.dropout_rate,
+                                  deterministic=cfg.deterministic)
+    x = dropout(embed(inputs))
+    encoded = nn.LayerNorm()(x + attention(name="encoder")(x, x))
+    shifted = jnp.pad(targets, ((0, 0), (1, 0)))[:, :-1]
+    y = dropout(embed(shifted))
+    causal = nn.make_causal_mask(shifted)
+    y = nn.LayerNorm()(y + attention(name="self")(y, y, mask=causal))
+    y = nn.LayerNorm()(y + attention(name="cross")(y, encoded))
+    h = dropout(nn.relu(nn.Dense(cfg.mlp_dim)(y)))
+    y = nn.LayerNorm()(y + nn.Dense(cfg.emb_dim)(h))
+    return embed.attend(y)
+
+
+class EncoderDecoderTrainer(Trainer):
+  """Token cross-entropy of `EncoderDecoder` on `inputs` -> `targets` (wmt's batch keys)."""
+
+  def build_model(self):
+    return EncoderDecoder(TransformerConfig(dropout_rate=self.config.get("dropout_rate", 0.2)))
+
+  def model_inputs(self, batch, *, train, rngs):
+    return (batch["inputs"], batch["targets"]), {}
+
+  def loss(self, logits, batch):
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean(-1)
+
+
+def copy_batches(num: int, batch_size: int, length: int = 6, vocab: int = 12, seed: int = 0):
+  """Token sequences whose targets are the inputs reversed."""
+  rng = np.random.default_rng(seed)
+  out = []
+  for _ in range(num):
+    inputs = rng.integers(1, vocab, size=(batch_size, length)).astype(np.int32)
+    out.append({"inputs": inputs, "targets": inputs[:, ::-1].copy()})
+  return out
+
+
+# -- ResNet with BatchNorm (Flax ImageNet style), and variants -------------------------------
+
+
+class ResNetTrainer(ClassificationTrainer):
+  def build_model(self):
+    return models.ResNet(stage_sizes=(1, 1), num_filters=4, num_classes=10)
+
+
+class LocalBatchNorm(nn.Module):
+  """BatchNorm without `axis_name`: its statistics are those of the batch the call sees."""
+
+  axis_name: str | None = None
+
+  @nn.compact
+  def __call__(self, x, train: bool = True):
+    x = x.reshape((x.shape[0], -1))
+    x = nn.Dense(8)(x)
+    x = nn.BatchNorm(use_running_average=not train, axis_name=self.axis_name)(x)
+    return nn.Dense(10)(x)
+
+
+# -- A model with an RNG argument (the Flax VAE example's `z_rng`) and one with its own stream ---
+
+
+class NoisyClassifier(nn.Module):
+  """Adds Gaussian noise from the `noise` stream in training; takes an explicit `z_rng`."""
+
+  @nn.compact
+  def __call__(self, x, z_rng, train: bool = True):
+    x = x.reshape((x.shape[0], -1))
+    h = nn.Dense(16)(x)
+    if train:
+      h = h + 0.1 * jax.random.normal(self.make_rng("noise"), h.shape)
+    h = h + 0.01 * jax.random.normal(z_rng, h.shape)
+    return nn.Dense(10)(nn.relu(h))
+
+
+class NoisyTrainer(ClassificationTrainer):
+  rng_streams = ("dropout", "noise", "z")
+
+  def build_model(self):
+    return NoisyClassifier()
+
+  def model_inputs(self, batch, *, train, rngs):
+    return (batch["image"], rngs["z"]), {}
+
+
+# -- NNX ------------------------------------------------------------------------------------
+
+
+class NnxCNNTrainer(ClassificationTrainer):
+  def build_model(self):
+    return models.nnx_models.CNN
+
+
+class NnxMLPTrainer(Trainer):
+  def build_model(self):
+    m = self.config.model
+    return functools.partial(models.nnx_models.MLP, m.embed, m.depth, m.num_layers)
+
+  def loss(self, outputs, batch):
+    return models.nnx_models.mean_squared_error(outputs, batch["targets"])
+
+
+class NnxBatchNormDropout(nnx.Module):
+  """An NNX classifier with BatchNorm (`axis_name='batch'`) and Dropout."""
+
+  def __init__(self, dropout_rate: float = 0.0, *, rngs: nnx.Rngs):
+    self.dense = nnx.Linear(28 * 28, 16, rngs=rngs)
+    self.norm = nnx.BatchNorm(16, axis_name="batch", rngs=rngs)
+    self.dropout = nnx.Dropout(dropout_rate, rngs=rngs)
+    self.out = nnx.Linear(16, 10, rngs=rngs)
+
+  def __call__(self, x):
+    x = x.reshape((x.shape[0], -1))
+    return self.out(self.dropout(nnx.relu(self.norm(self.dense(x)))))
+
+
+class NnxBatchNormTrainer(ClassificationTrainer):
+  def build_model(self):
+    return functools.partial(NnxBatchNormDropout, self.config.get("dropout_rate", 0.0))

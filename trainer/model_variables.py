@@ -1,0 +1,241 @@
+"""The one place that knows Linen from NNX: init, apply, train/eval mode and variables.
+
+A `Trainer` keeps a model's variables in its `TrainState` as two pytrees:
+`params` (what the optimizer updates, with Flax logical-axis boxes where the
+module annotates them, which is what the sharded strategies read) and
+`model_state` (every other collection, e.g. BatchNorm's `batch_stats`, updated
+by the train step and read in eval). `ModelVariables` turns a user's module
+into pure functions over those two trees:
+
+- `LinenVariables` wraps an `nn.Module`;
+- `NnxVariables` wraps a factory `rngs -> nnx.Module` (the module's class, or a
+  `functools.partial` of it), built inside the traced init so that ensemble
+  members and seeds each get their own parameters and nothing is materialised
+  on one device first. In a step the module is rebuilt from the step's RNG
+  streams, then its parameters and state are replaced (`nnx.update`): the
+  discarded initialisers are dead code the compiler drops. No NNX transform is
+  used; the strategies compile plain jax functions.
+
+Train/eval mode: a Linen module gets `train=` (or `training=`/`is_training=`)
+and `deterministic=` call arguments its `__call__` declares, and a top-level
+`deterministic`/`train` field (or one on a dataclass field such as the Flax
+lm1b/wmt examples' `config`) is set by `clone`; an NNX module is viewed with
+`deterministic` and `use_running_average` set, as `nnx.Module.eval()` does.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import dataclasses
+import inspect
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import flax.linen as nn
+import jax
+from flax import nnx
+
+PyTree = Any
+Rngs = Mapping[str, jax.Array]
+Inputs = tuple[tuple, dict]  # Positional and keyword arguments of the model call.
+
+#: Call arguments and module fields that carry the train/eval mode, and their value in training.
+_MODE_ARGUMENTS = {"train": True, "training": True, "is_training": True, "deterministic": False}
+#: Collections a Linen init may return that are not state to carry between steps.
+_NOT_STATE = ("params", "intermediates")
+
+
+class ModelVariables(abc.ABC):
+  """Init and apply of one module as pure functions of `(params, model_state)`."""
+
+  @abc.abstractmethod
+  def init(self, rngs: Rngs, inputs: Inputs) -> tuple[PyTree, PyTree]:
+    """`(params, model_state)` of a new model, from `rngs` (with a `params` stream)."""
+
+  @abc.abstractmethod
+  def apply(self, params: PyTree, model_state: PyTree, inputs: Inputs, *, rngs: Rngs,
+            train: bool, require_batch_axis: bool = False) -> tuple[Any, PyTree]:
+    """`(outputs, new model_state)`; in eval mode the state comes back unchanged.
+
+    Args:
+      require_batch_axis: raise if a BatchNorm in training would normalise over
+        its local batch only (no `axis_name`): strategies whose step sees a
+        shard of the batch set it, so statistics are never silently per replica.
+    """
+
+  @property
+  @abc.abstractmethod
+  def module(self) -> Any:
+    """The user's module (Linen) or factory (NNX)."""
+
+
+def create(model: Any) -> ModelVariables:
+  """The `ModelVariables` for what `Trainer.build_model` returned.
+
+  Raises:
+    TypeError: an NNX module instance (its parameters exist already, so every
+      ensemble member would share them) or something that is not a model.
+  """
+  if isinstance(model, nn.Module):
+    return LinenVariables(model)
+  if isinstance(model, nnx.Module):
+    raise TypeError(
+        f"build_model returned an nnx.Module instance ({type(model).__name__}); return its "
+        f"factory instead, e.g. `functools.partial({type(model).__name__}, ...)` without "
+        f"`rngs`: the Trainer builds it with `rngs=nnx.Rngs(...)` inside the traced init, so "
+        f"every seed and ensemble member gets its own parameters, created where the "
+        f"strategy places them.")
+  if callable(model):
+    return NnxVariables(model)
+  raise TypeError(f"build_model returned {model!r}; expected a flax.linen Module or a "
+                  f"factory `rngs -> nnx.Module`.")
+
+
+def _batch_norm_error(path: str) -> ValueError:
+  return ValueError(
+      f"BatchNorm {path!r} normalises over its local batch (axis_name=None) in training, but "
+      f"this strategy's step sees a shard of the batch: its statistics would be per replica "
+      f"and differ from a single device. Set axis_name=strategies.BATCH_AXIS ('batch'): every "
+      f"strategy binds that axis, and its statistics are then over the global batch (per "
+      f"member in ensembles).")
+
+
+class LinenVariables(ModelVariables):
+  """A `flax.linen.Module`: `params` plus its other collections as `model_state`."""
+
+  def __init__(self, module: nn.Module):
+    self._module = module
+    call = inspect.signature(type(module).__call__).parameters
+    self._mode_args = [name for name in _MODE_ARGUMENTS if name in call]
+
+  @property
+  def module(self) -> nn.Module:
+    return self._module
+
+  def _in_mode(self, inputs: Inputs, train: bool) -> tuple[nn.Module, tuple, dict]:
+    """The module with its mode fields set, and the call's arguments with its mode arguments."""
+    args, kwargs = inputs
+    kwargs = dict(kwargs)
+    for name in self._mode_args:
+      kwargs.setdefault(name, train if _MODE_ARGUMENTS[name] else not train)
+    return _with_mode_fields(self._module, train), args, kwargs
+
+  def init(self, rngs: Rngs, inputs: Inputs) -> tuple[PyTree, PyTree]:
+    module, args, kwargs = self._in_mode(inputs, train=False)
+    variables = dict(module.init(dict(rngs), *args, **kwargs))
+    params = variables.pop("params", {})
+    return params, {k: v for k, v in variables.items() if k not in _NOT_STATE}
+
+  def apply(self, params, model_state, inputs, *, rngs, train, require_batch_axis=False):
+    module, args, kwargs = self._in_mode(inputs, train)
+    variables = {"params": params, **model_state}
+    mutable = list(model_state) if train and model_state else False
+    with (nn.intercept_methods(_linen_batch_norm_check) if train and require_batch_axis
+          else contextlib.nullcontext()):
+      result = module.apply(variables, *args, rngs=dict(rngs), mutable=mutable, **kwargs)
+    if mutable:
+      outputs, updated = result
+      return outputs, {**model_state, **updated}
+    return result, model_state
+
+
+def _linen_batch_norm_check(next_fun, args, kwargs, context):
+  module = context.module
+  if isinstance(module, nn.BatchNorm) and context.method_name == "__call__" and (
+      module.axis_name is None):
+    use_running_average = nn.merge_param(
+        "use_running_average", module.use_running_average,
+        kwargs.get("use_running_average", args[1] if len(args) > 1 else None))
+    if not use_running_average:
+      raise _batch_norm_error("/".join(module.scope.path) if module.scope else module.name)
+  return next_fun(*args, **kwargs)
+
+
+def _with_mode_fields(module: nn.Module, train: bool) -> nn.Module:
+  """`module` with a top-level mode field, or one on a dataclass-valued field, set for `train`."""
+  fields = {f.name: getattr(module, f.name) for f in dataclasses.fields(module)
+            if f.name not in ("parent", "name")}
+  updates = {}
+  for name, value in fields.items():
+    if name in _MODE_ARGUMENTS and isinstance(value, bool):
+      updates[name] = train if _MODE_ARGUMENTS[name] else not train
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+      inner = {f.name: train if _MODE_ARGUMENTS[f.name] else not train
+               for f in dataclasses.fields(value)
+               if f.name in _MODE_ARGUMENTS and isinstance(getattr(value, f.name), bool)}
+      if inner:
+        updates[name] = dataclasses.replace(value, **inner)
+  return module.clone(**updates) if updates else module
+
+
+def _is_variable(x: Any) -> bool:
+  return isinstance(x, nnx.Variable)
+
+
+def _boxed_tree(state: Mapping) -> dict:
+  """An `nnx.State` as nested dicts of arrays; annotated ones boxed with their logical names."""
+  out = {}
+  for key, value in state.items():
+    if _is_variable(value):
+      names = value.get_metadata().get("out_sharding")
+      array = value.get_value()
+      out[key] = nn.LogicallyPartitioned(array, tuple(names)) if names else array
+    else:
+      out[key] = _boxed_tree(value)
+  return out
+
+
+class NnxVariables(ModelVariables):
+  """An NNX module built by `factory(rngs=nnx.Rngs(...))`: `nnx.Param`s as params, the rest
+  (e.g. `BatchStat`) except RNG state as `model_state`.
+
+  RNG streams never live in the train state: each step rebuilds the module from
+  that step's keys, so its randomness is a function of `(state.rng, step)`.
+  """
+
+  def __init__(self, factory: Callable[..., nnx.Module]):
+    self._factory = factory
+
+  @property
+  def module(self) -> Callable[..., nnx.Module]:
+    return self._factory
+
+  def _build(self, rngs: Rngs) -> nnx.Module:
+    streams = dict(rngs)
+    streams.setdefault("default", next(iter(streams.values())))
+    # The strategy places the arrays (from the logical annotations) itself.
+    with nnx.use_eager_sharding(False):
+      model = self._factory(rngs=nnx.Rngs(**streams))
+    if not isinstance(model, nnx.Module):
+      raise TypeError(f"build_model's factory returned {type(model).__name__}, not an "
+                      f"nnx.Module.")
+    return model
+
+  @staticmethod
+  def _split(model: nnx.Module) -> tuple[dict, dict]:
+    params = nnx.state(model, nnx.Param)
+    rest = nnx.state(model, nnx.Not(nnx.Any(nnx.Param, nnx.RngState)))
+    return _boxed_tree(params), nnx.to_pure_dict(rest)
+
+  def init(self, rngs: Rngs, inputs: Inputs) -> tuple[PyTree, PyTree]:
+    return self._split(self._build(rngs))
+
+  def apply(self, params, model_state, inputs, *, rngs, train, require_batch_axis=False):
+    model = self._build(rngs)
+    values = nnx.state(model, nnx.Param)
+    nnx.replace_by_pure_dict(values, nn.meta.unbox(params))
+    rest = nnx.state(model, nnx.Not(nnx.Any(nnx.Param, nnx.RngState)))
+    nnx.replace_by_pure_dict(rest, model_state)
+    nnx.update(model, values, rest)
+    model = nnx.view(model, deterministic=not train, use_running_average=not train,
+                     raise_if_not_found=False)
+    if train and require_batch_axis:
+      for path, module in nnx.iter_modules(model):
+        if isinstance(module, nnx.BatchNorm) and module.axis_name is None:
+          raise _batch_norm_error("/".join(map(str, path)))
+    args, kwargs = inputs
+    outputs = model(*args, **kwargs)
+    if not train:
+      return outputs, model_state
+    return outputs, self._split(model)[1]
