@@ -44,6 +44,13 @@ Inputs = tuple[tuple, dict]  # Positional and keyword arguments of the model cal
 _MODE_ARGUMENTS = {"train": True, "training": True, "is_training": True, "deterministic": False}
 #: Collections a Linen init may return that are not state to carry between steps.
 _NOT_STATE = ("params", "intermediates")
+#: The NNX variables that make up `model_state`: everything but parameters and RNG state.
+_NNX_MODEL_STATE = nnx.Not(nnx.Any(nnx.Param, nnx.RngState))
+
+
+def _mode_value(name: str, train: bool) -> bool:
+  """The value of mode argument or field `name` in training (`train`) or eval."""
+  return train if _MODE_ARGUMENTS[name] else not train
 
 
 class ModelVariables(abc.ABC):
@@ -118,7 +125,7 @@ class LinenVariables(ModelVariables):
     args, kwargs = inputs
     kwargs = dict(kwargs)
     for name in self._mode_args:
-      kwargs.setdefault(name, train if _MODE_ARGUMENTS[name] else not train)
+      kwargs.setdefault(name, _mode_value(name, train))
     return _with_mode_fields(self._module, train), args, kwargs
 
   def init(self, rngs: Rngs, inputs: Inputs) -> tuple[PyTree, PyTree]:
@@ -159,9 +166,9 @@ def _with_mode_fields(module: nn.Module, train: bool) -> nn.Module:
   updates = {}
   for name, value in fields.items():
     if name in _MODE_ARGUMENTS and isinstance(value, bool):
-      updates[name] = train if _MODE_ARGUMENTS[name] else not train
+      updates[name] = _mode_value(name, train)
     elif dataclasses.is_dataclass(value) and not isinstance(value, type):
-      inner = {f.name: train if _MODE_ARGUMENTS[f.name] else not train
+      inner = {f.name: _mode_value(f.name, train)
                for f in dataclasses.fields(value)
                if f.name in _MODE_ARGUMENTS and isinstance(getattr(value, f.name), bool)}
       if inner:
@@ -215,7 +222,7 @@ class NnxVariables(ModelVariables):
   @staticmethod
   def _split(model: nnx.Module) -> tuple[dict, dict]:
     params = nnx.state(model, nnx.Param)
-    rest = nnx.state(model, nnx.Not(nnx.Any(nnx.Param, nnx.RngState)))
+    rest = nnx.state(model, _NNX_MODEL_STATE)
     return _boxed_tree(params), nnx.to_pure_dict(rest)
 
   def init(self, rngs: Rngs, inputs: Inputs) -> tuple[PyTree, PyTree]:
@@ -225,7 +232,7 @@ class NnxVariables(ModelVariables):
     model = self._build(rngs)
     values = nnx.state(model, nnx.Param)
     nnx.replace_by_pure_dict(values, nn.meta.unbox(params))
-    rest = nnx.state(model, nnx.Not(nnx.Any(nnx.Param, nnx.RngState)))
+    rest = nnx.state(model, _NNX_MODEL_STATE)
     nnx.replace_by_pure_dict(rest, model_state)
     nnx.update(model, values, rest)
     model = nnx.view(model, deterministic=not train, use_running_average=not train,
