@@ -36,31 +36,18 @@ def _steps_per_block(step, state, batch, seconds):
   return max(n, 8), state
 
 
-def _block(step, state, batch, steps):
-  import jax
-  start = time.perf_counter()
-  outputs = []
-  for _ in range(steps):
-    state, out = step(state, batch)
-    outputs.append(out)
-    if len(outputs) > 1:
-      jax.block_until_ready(outputs[-2])
-      outputs.pop(0)
-  jax.block_until_ready(outputs)
-  return time.perf_counter() - start, state
-
-
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--pairs", type=int, default=20)
   parser.add_argument("--block-seconds", type=float, default=1.0)
   parser.add_argument("--batch", type=int, default=128)
   parser.add_argument("--devices", type=int, default=8)
+  parser.add_argument("--strategies", default=",".join(STRATEGIES))
   args = parser.parse_args()
   from trainer.devices import set_num_cpu_devices
   set_num_cpu_devices(args.devices)
   import jax
-  from mnist_setup import MNISTTrainer, random_batches
+  from mnist_setup import MNISTTrainer, random_batches, timed_block
 
   from configs import mnist_ensemble
 
@@ -73,7 +60,7 @@ def main():
         f"{args.batch}, {args.pairs} pairs")
   print(f"{'strategy':<24} {'bound s/step':>12} {'direct s/step':>13} {'bound/direct':>12} "
         f"{'middle half':>14}")
-  for name in STRATEGIES:
+  for name in args.strategies.split(","):
     config = mnist_ensemble.get_config()
     config.strategy.name = name
     config.batch_size = args.batch
@@ -94,7 +81,7 @@ def main():
       seconds = {}
       for label in order:
         step, state, placed = runs[label]
-        seconds[label], runs[label][1] = _block(step, state, placed, steps)
+        seconds[label], runs[label][1] = timed_block(step, state, placed, steps)
         times[label].append(seconds[label] / steps)
       ratios.append(seconds["bound"] / seconds["direct"])
     q = statistics.quantiles(ratios, n=4)

@@ -66,7 +66,7 @@ def measure(trainer, batches, block_seconds: float, pairs: int) -> dict[str, lis
     def fit(state, steps):
       start = trainer.step_of(state)
       return jax.block_until_ready(
-          trainer.fit(stream, num_steps=start + steps, state=state, writer=writer))
+          trainer.fit(stream, num_steps=start + steps, state=state, writer=writer).state)
 
     state = fit(bare(state, 3), 3)  # Compiles every step function and warms both loops up.
     tick = time.perf_counter()

@@ -27,10 +27,56 @@ def get_config() -> ml_collections.ConfigDict:
   config.checkpoint.every_steps = 1000  # Also at the end and on SIGTERM; 0: only then.
   config.checkpoint.max_to_keep = 3
   config.checkpoint.async_save = True  # Training continues while a save is written.
+  # Keep the `keep_best` best checkpoints by this eval metric beside the latest
+  # ones (a checkpoint is then also saved at every evaluation). "": off.
+  config.checkpoint.best_metric = ""
+  config.checkpoint.best_mode = "max"  # "max" (accuracy) or "min" (loss).
+  config.checkpoint.keep_best = 1
 
-  config.optimizer = "sgd"  # One of trainer.optim.OPTIMIZERS.
-  config.learning_rate = 0.1
-  config.momentum = 0.9
+  # -- The optimizer recipe (trainer/optim.py) --
+  config.optimizer = "sgd"  # One of trainer.optim.OPTIMIZERS: sgd, adam, adamw.
+  config.learning_rate = 0.1  # The peak rate, after warmup.
+  config.momentum = 0.9  # sgd; 0 for plain SGD.
+  # Decoupled for adamw, added to the gradient (L2) for sgd/adam. Applies to
+  # kernels and embeddings only, never to biases or norm scales.
+  config.weight_decay = 0.0
+  config.grad_clip_norm = 0.0  # Clip the (accumulated) gradient to this global norm; 0: off.
+  config.schedule = ml_collections.ConfigDict()
+  config.schedule.name = "constant"  # constant | cosine | linear (decay to the last step).
+  config.schedule.warmup_steps = 0  # Linear warmup from 0 to learning_rate.
+  config.schedule.end_factor = 0.0  # cosine/linear: the final rate, as a fraction of the peak.
+
+  # Split each batch into this many microbatches inside one compiled step (a
+  # scan) and average their gradients: one update per batch, the memory of a
+  # microbatch. Must divide each data replica's share of batch_size.
+  config.grad_accum_steps = 1
+  # How the microbatches run: "scan" (a loop: one microbatch's activations live
+  # at a time), "unroll" (straight-line code), or "" for the platform's default
+  # (trainer.accumulation.default_loop: unroll on CPU, where convolutions in a
+  # loop are slow; scan elsewhere).
+  config.grad_accum_loop = ""
+  # bfloat16 (or float16) compute with float32 parameters and optimizer state.
+  config.mixed_precision = ml_collections.ConfigDict()
+  config.mixed_precision.compute_dtype = "float32"  # float32 | bfloat16 | float16.
+  config.mixed_precision.loss_scale = 0.0  # Static; 0: 2**12 for float16, 1 otherwise.
+  # Exponential moving average of the parameters, evaluated beside them as
+  # eval/ema_*, checkpointed with the state. 0: off; 0.999 is typical.
+  config.ema_decay = 0.0
+
+  # Stop when the eval metric has not improved by min_delta for `patience`
+  # evaluations (needs eval_every_steps > 0). "": off.
+  config.early_stopping = ml_collections.ConfigDict()
+  config.early_stopping.metric = ""
+  config.early_stopping.mode = "min"  # "min" (loss) or "max" (accuracy).
+  config.early_stopping.patience = 3
+  config.early_stopping.min_delta = 0.0
+
+  # A jax.profiler trace of steps first_step+1 .. first_step+num_steps into
+  # logdir (default: the workdir), for TensorBoard's profile tab or Perfetto.
+  config.profile = ml_collections.ConfigDict()
+  config.profile.first_step = 10
+  config.profile.num_steps = 0  # 0: no profile.
+  config.profile.logdir = ""
 
   config.strategy = ml_collections.ConfigDict()
   config.strategy.name = "single_device"  # See strategies.available().

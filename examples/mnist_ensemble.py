@@ -34,8 +34,10 @@ flags.mark_flags_as_required(["workdir"])
 def train_and_evaluate(config, workdir: str) -> dict[str, float] | None:
   """Trains as `config` says and returns the final eval metrics (None if stopped early).
 
-  The Trainer and the checkpointer are built first, so a bad strategy, mesh,
-  batch size or checkpoint setting fails before any data is read.
+  The checkpointer, the data and the Trainer are built before any training
+  step, so a bad strategy, mesh, batch size, recipe or checkpoint setting
+  fails before compute is spent; the Trainer comes after the data because a
+  decaying learning-rate schedule needs the run's length in steps.
   """
   import models
   from trainer import ClassificationTrainer, data, writers
@@ -51,28 +53,30 @@ def train_and_evaluate(config, workdir: str) -> dict[str, float] | None:
         return models.CNN(num_classes=10)
       raise ValueError(f"config.model.name={m.name!r} is not one of ('cnn', 'resnet').")
 
-  trainer = MNISTTrainer(config)
   checkpointer = Checkpointer.from_config(config, workdir)
   builder = data.prepare(config.data.name, config.data.data_dir, config.data.manual_dir)
   train = data.load_split(builder, config.data.train_split, field="data.train_split")
   test = data.load_split(builder, config.data.eval_split, field="data.eval_split")
   num_steps = data.num_train_steps(config, len(train))
+  trainer = MNISTTrainer(config, num_train_steps=num_steps)
   logging.info("Training %d steps (%d examples per epoch) with %s", num_steps, len(train),
                trainer.strategy.describe())
 
   writer = writers.create_writer(workdir)
   writer.write_hparams(config.to_dict())
   try:
-    trainer.fit(
+    result = trainer.fit(
         lambda start: data.train_batches(train, config.batch_size, config.seed, start),
-        num_steps=num_steps, checkpointer=checkpointer, writer=writer,
+        num_steps=num_steps, checkpointer=checkpointer, writer=writer, workdir=workdir,
         eval_batches=lambda: data.eval_batches(test, config.eval_batch_size))
   finally:
     checkpointer.close()
     writer.close()
-  if trainer.stopped_by is not None:
+  if result.stopped_by is not None:
+    logging.info("Stopped by %s at step %d; best eval %s", result.stopped_by, result.step,
+                 result.best)
     return None
-  return trainer.eval_history[-1][1]
+  return result.final_eval
 
 
 def main(argv):

@@ -45,14 +45,14 @@ def main(argv):
   held_out = list(itertools.islice(stream(10**6), 4))  # Steps no run reaches.
   writer = writers.create_writer(FLAGS.workdir)
   try:
-    trainer.fit(stream, num_steps=config.num_train_steps, checkpointer=checkpointer,
-                writer=writer, eval_batches=lambda: held_out)
+    result = trainer.fit(stream, num_steps=config.num_train_steps, checkpointer=checkpointer,
+                         writer=writer, eval_batches=lambda: held_out, workdir=FLAGS.workdir)
   finally:
     checkpointer.close()
     writer.close()
-  if trainer.eval_history:
-    logging.info("Final eval: %s", trainer.eval_history[-1][1])
-    print(" ".join(f"{k}={v:.4f}" for k, v in sorted(trainer.eval_history[-1][1].items())))
+  if result.final_eval:
+    logging.info("Final eval: %s", result.final_eval)
+    print(" ".join(f"{k}={v:.4f}" for k, v in sorted(result.final_eval.items())))
 
 
 if __name__ == "__main__":

@@ -119,6 +119,12 @@ class Strategy(abc.ABC):
     and its outputs are not split by the strategy's own output layout."""
     return tree
 
+  def constrain_batch(self, tree: PyTree, *, batch_dim: int = 0) -> PyTree:
+    """Per-example arrays made inside a step (microbatches), kept sharded like the batch
+    on axis `batch_dim`; the identity where a step sees its own shard already."""
+    del batch_dim
+    return tree
+
   @property
   def step_sees_batch_shard(self) -> bool:
     """Whether each step call sees only a shard of a model's batch (per-device steps).

@@ -196,6 +196,13 @@ class ShardedDataParallel(Strategy):
       shardings = self.state_shardings(jax.eval_shape(init_fn, rng))
       return jax.jit(init_fn, out_shardings=shardings)(rng)
 
+  def constrain_batch(self, tree: PyTree, *, batch_dim: int = 0) -> PyTree:
+    def constrain(x):
+      spec = PartitionSpec(*([None] * batch_dim), self.batch_spec[0])
+      return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
+
+    return jax.tree.map(constrain, tree)
+
   def put_batch(self, batch: PyTree) -> PyTree:
     return jax.tree.map(
         lambda x: jax.make_array_from_process_local_data(self._batch_sharding, x), batch)

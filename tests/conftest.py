@@ -24,6 +24,10 @@ from trainer import data as data_lib  # noqa: E402
 
 NUM_DEVICES = 8
 
+#: Overrides for jit data parallelism on a 1-D mesh of the 8 devices.
+SHARDED_8 = {"strategy.name": "sharded_data_parallel", "strategy.mesh_shape": (8,),
+             "strategy.mesh_axes": ("data",), "strategy.logical_axis_rules": (("batch", "data"),)}
+
 
 class CNNTrainer(ClassificationTrainer):
   def build_model(self):

@@ -29,12 +29,17 @@ FEW_STEPS = {
         "--config.data.train_split=train[:512]", "--config.data.eval_split=test[:600]"],
     "examples/transformer_lm.py": [
         "--config.num_train_steps=2", "--config.log_every_steps=1",
-        "--config.eval_every_steps=0"],
+        "--config.eval_every_steps=0", "--config.schedule.warmup_steps=0"],
     "benchmarks/strategy_step_time.py": ["--steps", "1", "--batch", "16"],
     "benchmarks/ensemble_step_time.py": ["--steps", "1", "--repeats", "1", "--batch", "16"],
-    "benchmarks/loop_overhead.py": ["--pairs", "1", "--block-seconds", "0", "--batch", "16"],
+    "benchmarks/loop_overhead.py": ["--pairs", "1", "--block-seconds", "0", "--batch", "16",
+                                    "--strategies", "single_device,sharded_ensemble"],
     "benchmarks/batch_axis_overhead.py": ["--pairs", "2", "--block-seconds", "0", "--batch",
-                                          "16"],
+                                          "16", "--strategies", "pmap_ensemble"],
+    # Two devices: under 8 a 25M-parameter LM (`--lm-size gpu`) does 8 optimizer updates.
+    "benchmarks/recipe_cost.py": ["--rounds", "1", "--block-seconds", "0", "--batch", "16",
+                                  "--workloads", "lm", "--variants", "bf16", "--devices", "2",
+                                  "--lm-batch", "16", "--lm-seq", "16"],
 }
 
 #: What a script's standard output shows when it did its job.
@@ -45,6 +50,7 @@ EXPECTED_OUTPUT = {
     "benchmarks/ensemble_step_time.py": r"sharded_ensemble 4 on 1 \(map\)\s+\d",
     "benchmarks/loop_overhead.py": r"sharded_ensemble\s+\d\.\d{4}\s+\d\.\d{4}\s+\d\.\d{3}x",
     "benchmarks/batch_axis_overhead.py": r"pmap_ensemble\s+\d\.\d{4}\s+\d\.\d{4}\s+\d\.\d{3}x",
+    "benchmarks/recipe_cost.py": r"Transformer LM .* bf16\s+\d\.\d{4}\s+\d\.\d{3}x",
 }
 
 

@@ -44,8 +44,8 @@ class KillingCheckpointer(Checkpointer):
 
   kill_at: int = -1
 
-  def save(self, step, state, layout):
-    super().save(step, state, layout)
+  def save(self, step, state, layout, **kwargs):
+    super().save(step, state, layout, **kwargs)
     if step == self.kill_at:
       os.kill(os.getpid(), signal.SIGKILL)
 
@@ -78,10 +78,11 @@ def main():
       step += 1
 
   try:
-    state = trainer.fit(batches, num_steps=args.steps, checkpointer=checkpointer)
+    result = trainer.fit(batches, num_steps=args.steps, checkpointer=checkpointer)
   finally:
     checkpointer.close()
-  if trainer.stopped_by is None:
+  state = result.state
+  if result.stopped_by is None:
     np.savez(args.out, **flat(trainer.strategy.checkpoint_state(state)))
     print(f"finished at step {trainer.step_of(state)}", flush=True)
 

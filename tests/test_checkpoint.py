@@ -18,8 +18,8 @@ import pytest
 from conftest import MLPTrainer, mlp_config, vector_batches
 from jax.sharding import PartitionSpec
 
+from trainer.actions import NonFiniteError
 from trainer.checkpoint import Checkpointer, CheckpointError
-from trainer.trainer import NonFiniteError
 
 HERE = pathlib.Path(__file__).resolve().parent
 SCRIPT = HERE / "resume_run.py"
@@ -141,7 +141,7 @@ def test_restore_under_another_strategy(tmp_path, source, destination):
   batches = vector_batches(4, 16, 8)
   writer = _trainer(source)
   ckpt = Checkpointer(tmp_path / "ckpt", every_steps=2)
-  saved_state = writer.fit(batches[:2], num_steps=2, checkpointer=ckpt)
+  saved_state = writer.fit(batches[:2], num_steps=2, checkpointer=ckpt).state
   saved = _canonical(writer, saved_state)
   assert ckpt.all_steps() == [2]
 
@@ -163,9 +163,9 @@ def test_restore_under_another_strategy(tmp_path, source, destination):
   traces = []
   original = reader.train_step
   reader.train_step = lambda s, b: (traces.append(1), original(s, b))[1]
-  continued = reader.fit(batches[2:], num_steps=4, state=restored)
+  continued = reader.fit(batches[2:], num_steps=4, state=restored).state
   assert len(traces) == 1
-  reference = _trainer("single_device").fit(batches, num_steps=4)
+  reference = _trainer("single_device").fit(batches, num_steps=4).state
   for a, b in zip(jax.tree.leaves(_canonical(reader, continued)),
                   jax.tree.leaves(jax.device_get(reference)), strict=True):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
@@ -175,7 +175,7 @@ def test_ensemble_checkpoint_restores_one_member_and_the_whole_ensemble(tmp_path
   batches = vector_batches(3, 16, 8)
   ensemble = _trainer("pmap_ensemble")
   ckpt = Checkpointer(tmp_path / "ckpt", every_steps=2)
-  state = ensemble.fit(batches[:2], num_steps=2, checkpointer=ckpt)
+  state = ensemble.fit(batches[:2], num_steps=2, checkpointer=ckpt).state
   saved = _canonical(ensemble, state)
   assert jax.tree.leaves(saved)[0].shape[0] == 8  # A leading member axis on disk.
 
@@ -197,8 +197,8 @@ def test_ensemble_checkpoint_restores_one_member_and_the_whole_ensemble(tmp_path
                   strict=True):
     np.testing.assert_array_equal(a, b)
   # Member 3 continued alone equals member 3 continued inside the ensemble.
-  alone = single.fit(batches[2:], num_steps=3, state=member3)
-  together = again.fit(batches[2:], num_steps=3, state=whole)
+  alone = single.fit(batches[2:], num_steps=3, state=member3).state
+  together = again.fit(batches[2:], num_steps=3, state=whole).state
   for a, b in zip(jax.tree.leaves(jax.device_get(alone)),
                   jax.tree.leaves(_canonical(again, together)), strict=True):
     np.testing.assert_allclose(a, b[3], rtol=1e-5, atol=1e-6)
@@ -227,15 +227,16 @@ def test_divergence_stops_naming_the_step_and_keeps_the_last_finite_checkpoint(
 
 def test_divergence_skip_leaves_the_update_out_and_counts_it():
   batches = _with_nan_at(vector_batches(8, 16, 8), 5)
-  before = _trainer("single_device", nonfinite="skip").fit(batches, num_steps=5)
+  before = _trainer("single_device", nonfinite="skip").fit(batches, num_steps=5).state
   trainer = _trainer("single_device", nonfinite="skip")
-  after = trainer.fit(batches, num_steps=6)
-  assert trainer.skipped_steps == 1
+  result = trainer.fit(batches, num_steps=6)
+  after = result.state
+  assert result.skipped_steps == 1
   assert int(after.step) == 6  # The step counter (and so the data order) moves on.
   for a, b in zip(jax.tree.leaves((before.params, before.opt_state)),
                   jax.tree.leaves((after.params, after.opt_state)), strict=True):
     np.testing.assert_array_equal(a, b)
-  final = _trainer("single_device", nonfinite="skip").fit(batches, num_steps=8)
+  final = _trainer("single_device", nonfinite="skip").fit(batches, num_steps=8).state
   assert all(np.isfinite(x).all() for x in jax.tree.leaves(final.params))
 
 
@@ -331,7 +332,7 @@ def test_pmap_ensemble_checkpoint_restores_under_sharded_ensemble_and_back(tmp_p
   batches = vector_batches(2, 16, 8)
   pmap = _trainer("pmap_ensemble", ensemble_size=8)
   ckpt = Checkpointer(tmp_path / "ckpt", every_steps=2)
-  saved = _canonical(pmap, pmap.fit(batches, num_steps=2, checkpointer=ckpt))
+  saved = _canonical(pmap, pmap.fit(batches, num_steps=2, checkpointer=ckpt).state)
   jit = _trainer("sharded_ensemble", ensemble_size=8, **{"strategy.ensemble_mesh_shape": (4, 2)})
   restored = jit.restore_checkpoint(ckpt, batches[0])
   for a, b in zip(jax.tree.leaves(saved), jax.tree.leaves(_canonical(jit, restored)),

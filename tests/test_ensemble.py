@@ -38,7 +38,7 @@ _SINGLE_RUNS = {}
 def ensemble_run(request):
   batches = image_batches(STEPS + 1, 16)
   trainer = CNNTrainer(cnn_config(**ENSEMBLES[request.param]))
-  state = trainer.fit(batches[:STEPS], num_steps=STEPS)
+  state = trainer.fit(batches[:STEPS], num_steps=STEPS).state
   return trainer, state, batches
 
 
@@ -53,7 +53,7 @@ def member_runs(ensemble_run):
   for i in range(ensemble.strategy.num_members):
     if i not in _SINGLE_RUNS:
       state = trainer.init_state(batches[0], rng=member_rng(base, i))
-      _SINGLE_RUNS[i] = trainer.fit(batches[:STEPS], num_steps=STEPS, state=state)
+      _SINGLE_RUNS[i] = trainer.fit(batches[:STEPS], num_steps=STEPS, state=state).state
   return trainer, [_SINGLE_RUNS[i] for i in range(ensemble.strategy.num_members)]
 
 
@@ -123,8 +123,8 @@ def test_sharded_ensemble_matches_pmap_ensemble_member_by_member():
   batches = image_batches(STEPS, 16)
   pmap = CNNTrainer(cnn_config(**ENSEMBLES["pmap_8"]))
   jit = CNNTrainer(cnn_config(**ENSEMBLES["jit_8_on_8"]))
-  pmap_params = pmap.strategy.to_canonical(pmap.fit(batches, num_steps=STEPS).params)
-  jit_params = jit.strategy.to_canonical(jit.fit(batches, num_steps=STEPS).params)
+  pmap_params = pmap.strategy.to_canonical(pmap.fit(batches, num_steps=STEPS).state.params)
+  jit_params = jit.strategy.to_canonical(jit.fit(batches, num_steps=STEPS).state.params)
   for a, b in zip(leaves(pmap_params), leaves(jit_params), strict=True):
     assert a.shape[0] == 8
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)

@@ -43,7 +43,7 @@ def _train(model: str, overrides: dict):
   trainer_cls, make_config, make_batches = MODELS[model]
   config = make_config(**overrides)
   trainer = trainer_cls(config)
-  state = trainer.fit(make_batches(), num_steps=STEPS)
+  state = trainer.fit(make_batches(), num_steps=STEPS).state
   return trainer.strategy.to_canonical(state.params)
 
 

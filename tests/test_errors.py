@@ -110,3 +110,51 @@ def test_sharded_ensemble_size_must_divide_over_the_ensemble_axis(size, mesh, nu
 def test_sharded_ensemble_mesh_and_loop_are_checked(field, value, message):
   with pytest.raises(ValueError, match=re.escape(message)):
     _NeverBuilt(cnn_config(**{"strategy.name": "sharded_ensemble", field: value}))
+
+
+@pytest.mark.parametrize("overrides,message", [
+    ({"schedule.name": "step"}, "config.schedule.name='step' is not one of ('constant', "
+                                "'cosine', 'linear')"),
+    ({"schedule.name": "cosine", "num_train_steps": 20, "schedule.warmup_steps": 20},
+     "num_train_steps=20 must exceed config.schedule.warmup_steps=20"),
+    ({"schedule.name": "linear", "num_train_steps": -1},
+     "config.schedule.name='linear' decays over the run, so it needs the run's length"),
+    ({"grad_accum_steps": 3}, "config.grad_accum_steps=3 must be a positive integer that "
+                              "divides the 16 examples"),
+    ({"grad_accum_steps": 4, "strategy.name": "pmap_data_parallel"},
+     "config.grad_accum_steps=4 must be a positive integer that divides the 2 examples each "
+     "of the 8 data replica(s)"),
+    ({"ema_decay": 1.0}, "config.ema_decay=1.0 must be in [0, 1)"),
+    ({"mixed_precision.compute_dtype": "fp8"},
+     "config.mixed_precision.compute_dtype='fp8' is not one of ('float32', 'bfloat16', "
+     "'float16')"),
+])
+def test_recipe_fields_are_checked_before_the_model_is_built(overrides, message):
+  with pytest.raises(ValueError, match=re.escape(message)):
+    _NeverBuilt(cnn_config(**overrides))
+
+
+@pytest.mark.parametrize("overrides,message", [
+    ({"grad_clip_norm": -1.0}, "config.grad_clip_norm=-1.0 must be >= 0"),
+    ({"weight_decay": -0.1}, "config.weight_decay=-0.1 must be >= 0"),
+])
+def test_optimizer_fields_are_checked_in_the_constructor(overrides, message):
+  with pytest.raises(ValueError, match=re.escape(message)):
+    CNNTrainer(cnn_config(**overrides))
+
+
+@pytest.mark.parametrize("overrides,message", [
+    ({"early_stopping.metric": "nll"}, "config.early_stopping.metric='nll' needs periodic "
+                                       "evaluations, but config.eval_every_steps=0"),
+    ({"early_stopping.metric": "nll", "eval_every_steps": 5, "early_stopping.mode": "up"},
+     "config.early_stopping.mode='up' must be 'min' or 'max'"),
+    ({"profile.num_steps": 2}, "config.profile.num_steps=2 but there is no directory"),
+])
+def test_loop_fields_are_checked_before_the_first_step(overrides, message):
+  class NoStep(CNNTrainer):
+    def init_state(self, *args, **kwargs):
+      raise AssertionError("the error must come before the state is made")
+
+  batches = image_batches(2, 16)
+  with pytest.raises(ValueError, match=re.escape(message)):
+    NoStep(cnn_config(**overrides)).fit(batches, num_steps=2, eval_batches=lambda: batches)

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from clu import metrics as clu_metrics
 from conftest import (
+  SHARDED_8,
   CNNTrainer,
   MLPTrainer,
   cnn_config,
@@ -25,9 +26,6 @@ from strategies.base import merge_along_leading_axis
 from trainer import metrics as metrics_lib
 from trainer.checkpoint import Checkpointer
 from trainer.trainer import BatchKeyError
-
-SHARDED_8 = {"strategy.name": "sharded_data_parallel", "strategy.mesh_shape": (8,),
-             "strategy.mesh_axes": ("data",), "strategy.logical_axis_rules": (("batch", "data"),)}
 
 
 def _eval_set():

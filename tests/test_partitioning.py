@@ -35,7 +35,7 @@ def test_logical_annotations_include_the_scan_axis(sharded_mlp):
 def test_params_and_adam_moments_follow_the_rules(sharded_mlp, after_steps):
   trainer, state, batches = sharded_mlp
   if after_steps:
-    state = trainer.fit(batches, num_steps=after_steps, state=state)
+    state = trainer.fit(batches, num_steps=after_steps, state=state).state
   expected = {"W1": P(None, None, "model"), "W2": P(None, "model", None)}
   layers, embed, depth = (trainer.config.model.num_layers, trainer.config.model.embed,
                           trainer.config.model.depth)

@@ -19,7 +19,7 @@ import jax
 import numpy as np
 import pytest
 import user_models as um
-from conftest import cnn_config, image_batches, leaves, mlp_config, vector_batches
+from conftest import SHARDED_8, cnn_config, image_batches, leaves, mlp_config, vector_batches
 from jax.sharding import PartitionSpec
 
 from strategies import BATCH_AXIS, member_rng
@@ -27,8 +27,6 @@ from trainer.checkpoint import Checkpointer
 
 STEPS = 3
 
-SHARDED_8 = {"strategy.name": "sharded_data_parallel", "strategy.mesh_shape": (8,),
-             "strategy.mesh_axes": ("data",), "strategy.logical_axis_rules": (("batch", "data"),)}
 DATA_PARALLEL = {
     "pmap_data_parallel": {"strategy.name": "pmap_data_parallel"},
     "sharded_data_8": SHARDED_8,
@@ -52,7 +50,7 @@ def _fit(trainer_cls, overrides, batches, state=None, rng=None):
   trainer = trainer_cls(cnn_config(**overrides))
   if rng is not None:
     state = trainer.init_state(batches[0], rng=rng)
-  state = trainer.fit(batches, num_steps=STEPS, state=state)
+  state = trainer.fit(batches, num_steps=STEPS, state=state).state
   return trainer, state
 
 
@@ -164,22 +162,22 @@ def test_an_unbound_axis_name_names_the_batch_axis():
 
 def _seq2seq(overrides, batches, **config):
   trainer = um.EncoderDecoderTrainer(cnn_config(**overrides, **config))
-  state = trainer.fit(batches[:STEPS], num_steps=STEPS, eval_batches=lambda: batches[STEPS:])
-  return trainer, state
+  result = trainer.fit(batches[:STEPS], num_steps=STEPS, eval_batches=lambda: batches[STEPS:])
+  return trainer, result
 
 
 @functools.cache
 def _seq2seq_single(dropout_rate=0.2):
-  trainer, state = _seq2seq({"strategy.name": "single_device"}, um.copy_batches(STEPS + 1, 16),
-                            dropout_rate=dropout_rate)
-  return trainer.strategy.to_canonical(state.params), trainer.eval_history[-1][1]
+  trainer, result = _seq2seq({"strategy.name": "single_device"}, um.copy_batches(STEPS + 1, 16),
+                             dropout_rate=dropout_rate)
+  return trainer.strategy.to_canonical(result.state.params), result.final_eval
 
 
 def test_dropout_under_jit_data_parallel_is_the_single_device_dropout():
-  trainer, state = _seq2seq(SHARDED_8, um.copy_batches(STEPS + 1, 16), dropout_rate=0.2)
+  trainer, result = _seq2seq(SHARDED_8, um.copy_batches(STEPS + 1, 16), dropout_rate=0.2)
   params, results = _seq2seq_single()
-  _assert_close(trainer.strategy.to_canonical(state.params), params)
-  np.testing.assert_allclose(trainer.eval_history[-1][1]["loss"], results["loss"], rtol=1e-5)
+  _assert_close(trainer.strategy.to_canonical(result.state.params), params)
+  np.testing.assert_allclose(result.final_eval["loss"], results["loss"], rtol=1e-5)
   # Dropout really acted: without it training goes elsewhere.
   no_dropout, _ = _seq2seq_single(0.0)
   assert not all(np.allclose(a, b) for a, b in zip(leaves(params), leaves(no_dropout),
@@ -189,17 +187,18 @@ def test_dropout_under_jit_data_parallel_is_the_single_device_dropout():
 def test_dropout_under_pmap_data_parallel_differs_only_by_the_replica_streams():
   batches = um.copy_batches(STEPS + 1, 16)
   pmap = {"strategy.name": "pmap_data_parallel"}
-  trainer, state = _seq2seq(pmap, batches, dropout_rate=0.2)
-  with_dropout = trainer.strategy.to_canonical(state.params)
+  trainer, result = _seq2seq(pmap, batches, dropout_rate=0.2)
+  with_dropout = trainer.strategy.to_canonical(result.state.params)
   assert not all(np.allclose(a, b, rtol=1e-4) for a, b in zip(
       leaves(with_dropout), leaves(_seq2seq_single()[0]), strict=True))
-  trainer, state = _seq2seq(pmap, batches, dropout_rate=0.0)
-  _assert_close(trainer.strategy.to_canonical(state.params), _seq2seq_single(0.0)[0])
+  trainer, result = _seq2seq(pmap, batches, dropout_rate=0.0)
+  _assert_close(trainer.strategy.to_canonical(result.state.params), _seq2seq_single(0.0)[0])
 
 
 def test_eval_mode_is_deterministic_for_a_module_with_a_deterministic_field():
   batches = um.copy_batches(STEPS + 2, 16)
-  trainer, state = _seq2seq({"strategy.name": "single_device"}, batches, dropout_rate=0.5)
+  trainer, result = _seq2seq({"strategy.name": "single_device"}, batches, dropout_rate=0.5)
+  state = result.state
   first, again = (trainer.evaluate(state, batches[-1:]) for _ in range(2))
   assert first == again
   # Evaluation is the deterministic model: a zero dropout rate gives the same result.
@@ -215,13 +214,13 @@ def test_ensemble_members_draw_their_own_dropout_streams(ensemble):
   """Member i's dropout is that of a single-device run from member_rng(i), so members differ."""
   batches = um.copy_batches(STEPS + 1, 16)
   overrides = dict(ENSEMBLES[ensemble])
-  trainer, state = _seq2seq(overrides, batches, dropout_rate=0.2)
-  stacked = trainer.strategy.to_canonical(state.params)
+  trainer, result = _seq2seq(overrides, batches, dropout_rate=0.2)
+  stacked = trainer.strategy.to_canonical(result.state.params)
   base = jax.random.PRNGKey(trainer.config.seed)
   single = um.EncoderDecoderTrainer(cnn_config(**{"strategy.name": "single_device"},
                                                dropout_rate=0.2))
   member = single.fit(batches[:STEPS], num_steps=STEPS,
-                      state=single.init_state(batches[0], rng=member_rng(base, 1)))
+                      state=single.init_state(batches[0], rng=member_rng(base, 1))).state
   got = jax.tree.map(lambda x: x[1], stacked)
   if trainer.strategy.step_sees_batch_shard:
     # Two data replicas per member fold their index into the stream, as pmap DP does.
@@ -259,7 +258,7 @@ def test_streams_a_model_asks_for_come_from_rng_streams():
 def test_nnx_mlp_is_laid_out_by_the_rule_table_and_matches_single_device():
   batches = vector_batches(STEPS, 16, 8)
   sharded = um.NnxMLPTrainer(mlp_config())
-  state = sharded.fit(batches, num_steps=STEPS)
+  state = sharded.fit(batches, num_steps=STEPS).state
   w1, w2 = state.params["W1"], state.params["W2"]
   assert w1.names == ("layer", "embed", "hidden")
   assert w1.value.sharding.spec == PartitionSpec(None, None, "model")
@@ -270,7 +269,7 @@ def test_nnx_mlp_is_laid_out_by_the_rule_table_and_matches_single_device():
   assert adam.mu["W1"].value.sharding.spec == PartitionSpec(None, None, "model")
   single = um.NnxMLPTrainer(mlp_config(**{"strategy.name": "single_device"}))
   _assert_close(sharded.strategy.to_canonical(state.params),
-                single.strategy.to_canonical(single.fit(batches, num_steps=STEPS).params))
+                single.strategy.to_canonical(single.fit(batches, num_steps=STEPS).state.params))
 
 
 @pytest.mark.parametrize("source,destination", [
@@ -281,7 +280,7 @@ def test_nnx_checkpoint_restores_under_another_strategy(tmp_path, source, destin
   batches = vector_batches(STEPS, 16, 8)
   writer = um.NnxMLPTrainer(mlp_config(**{"strategy.name": source}))
   ckpt = Checkpointer(tmp_path / "ckpt", every_steps=STEPS)
-  saved = writer.fit(batches, num_steps=STEPS, checkpointer=ckpt)
+  saved = writer.fit(batches, num_steps=STEPS, checkpointer=ckpt).state
   reader = um.NnxMLPTrainer(mlp_config(**{"strategy.name": destination}))
   restored = reader.restore_checkpoint(ckpt, batches[0])
   _assert_close(jax.device_get(reader.strategy.checkpoint_state(restored)),

@@ -35,7 +35,7 @@ def test_cnn_steps_trace_once(strategy):
   batches = image_batches(STEPS, 16)
   # Three eval rounds of 5 batches each; the last batch is short and gets padded.
   eval_set = batches[:4] + [{k: v[:5] for k, v in batches[4].items()}]
-  state = trainer.fit(batches, num_steps=STEPS, eval_batches=lambda: eval_set)
+  state = trainer.fit(batches, num_steps=STEPS, eval_batches=lambda: eval_set).state
   assert trainer.strategy.to_canonical(state.step).max() == STEPS
   # fit traced predict before training; predicting any batch size reuses that trace.
   assert trainer.traces == {"train": 1, "eval": 1, "predict": 1}

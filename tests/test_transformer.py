@@ -40,7 +40,7 @@ def reference():
   config = _config(**{"strategy.name": "single_device"})
   trainer = LanguageModelTrainer(config)
   batches = _batches(config)
-  state = trainer.fit(batches[:STEPS], num_steps=STEPS)
+  state = trainer.fit(batches[:STEPS], num_steps=STEPS).state
   return jax.device_get(state.params), trainer.evaluate(state, batches[STEPS:])
 
 
@@ -49,7 +49,7 @@ def test_every_layout_trains_like_a_single_device(layout, reference):
   config = _config(layout)
   trainer = LanguageModelTrainer(config)
   batches = _batches(config)
-  state = trainer.fit(batches[:STEPS], num_steps=STEPS)
+  state = trainer.fit(batches[:STEPS], num_steps=STEPS).state
   want_params, want_eval = reference
   got_eval = trainer.evaluate(state, batches[STEPS:])
   np.testing.assert_allclose(got_eval["loss"], want_eval["loss"], rtol=1e-5)
@@ -63,7 +63,7 @@ def test_the_language_model_learns_the_synthetic_stream():
   trainer = LanguageModelTrainer(config)
   batches = _batches(config, 81)
   before = trainer.evaluate(trainer.init_state(batches[0]), batches[80:])["loss"]
-  after = trainer.evaluate(trainer.fit(batches[:80], num_steps=80), batches[80:])["loss"]
+  after = trainer.evaluate(trainer.fit(batches[:80], num_steps=80).state, batches[80:])["loss"]
   assert before > 0.9 * np.log(config.model.vocab_size)
   assert after < 0.5 * before, (before, after)
 

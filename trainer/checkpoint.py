@@ -80,11 +80,25 @@ class Checkpointer:
   """
 
   def __init__(self, directory: str | os.PathLike, *, every_steps: int = 1000,
-               max_to_keep: int = 3, async_save: bool = True):
+               max_to_keep: int = 3, async_save: bool = True, best_metric: str = "",
+               best_mode: str = "max", keep_best: int = 1):
     """Opens (or creates) the checkpoint directory; reads and deletes nothing.
 
+    Args:
+      directory: where the step directories go.
+      every_steps: the periodic save interval (0: only at the end and on a stop).
+      max_to_keep: how many of the latest checkpoints are kept (for resuming).
+      async_save: write in the background while training continues.
+      best_metric: an eval metric; when set, checkpoints saved at an
+        evaluation carry its results, and the `keep_best` best by this metric
+        are kept beside the latest ones (orbax's `BestN` and `LatestN`
+        preservation policies).
+      best_mode: 'max' or 'min': which end of `best_metric` is best.
+      keep_best: how many best checkpoints to keep.
+
     Raises:
-      ValueError: `every_steps` is negative or `max_to_keep` is below 1.
+      ValueError: `every_steps` is negative, `max_to_keep` or `keep_best` is
+        below 1, or `best_mode` is neither 'max' nor 'min'.
     """
     if not isinstance(every_steps, int) or every_steps < 0:
       raise ValueError(f"config.checkpoint.every_steps={every_steps!r} must be an integer "
@@ -92,15 +106,33 @@ class Checkpointer:
     if not isinstance(max_to_keep, int) or max_to_keep < 1:
       raise ValueError(f"config.checkpoint.max_to_keep={max_to_keep!r} must be an integer "
                        f">= 1.")
+    if best_mode not in ("max", "min"):
+      raise ValueError(f"config.checkpoint.best_mode={best_mode!r} must be 'max' or 'min'.")
+    if not isinstance(keep_best, int) or keep_best < 1:
+      raise ValueError(f"config.checkpoint.keep_best={keep_best!r} must be an integer >= 1.")
     self.directory = os.path.abspath(os.fspath(directory))
     self.every_steps = every_steps
+    self.best_metric, self.best_mode = best_metric, best_mode
+    if best_metric:
+      def metric(metrics):
+        return metrics[best_metric]
+
+      keep = dict(
+          best_fn=metric, best_mode=best_mode,
+          preservation_policy=ocp.checkpoint_managers.AnyPreservationPolicy([
+              ocp.checkpoint_managers.LatestN(n=max_to_keep),
+              ocp.checkpoint_managers.BestN(get_metric_fn=metric, reverse=best_mode == "min",
+                                            n=keep_best, keep_checkpoints_without_metrics=False),
+          ]))
+    else:
+      keep = dict(max_to_keep=max_to_keep)
     if os.path.exists(self.directory) and not os.path.isdir(self.directory):
       raise CheckpointError(f"checkpoint directory {self.directory} exists and is not a "
                             f"directory.")
     self._manager = ocp.CheckpointManager(
         self.directory,
         options=ocp.CheckpointManagerOptions(
-            max_to_keep=max_to_keep, enable_async_checkpointing=async_save, create=True,
+            **keep, enable_async_checkpointing=async_save, create=True,
             # Directories are made before save() returns: a directory that cannot be
             # made fails that call, instead of leaving orbax's writer threads waiting.
             async_options=ocp.AsyncOptions(create_directories_asynchronously=False)),
@@ -113,7 +145,9 @@ class Checkpointer:
     """A checkpointer in `<workdir>/checkpoints` from `config.checkpoint`."""
     c = config.checkpoint
     return cls(os.path.join(workdir, "checkpoints"), every_steps=c.every_steps,
-               max_to_keep=c.max_to_keep, async_save=c.get("async_save", True))
+               max_to_keep=c.max_to_keep, async_save=c.get("async_save", True),
+               best_metric=c.get("best_metric", ""), best_mode=c.get("best_mode", "max"),
+               keep_best=c.get("keep_best", 1))
 
   # -- Steps -------------------------------------------------------------------
 
@@ -127,6 +161,11 @@ class Checkpointer:
     steps = self.all_steps()
     return steps[-1] if steps else None
 
+  def best_step(self) -> int | None:
+    """The step of the best checkpoint by `best_metric` (the latest without one), or None."""
+    self._manager.reload()
+    return self._manager.best_step()
+
   def step_dir(self, step: int) -> str:
     return os.path.join(self.directory, str(step))
 
@@ -136,21 +175,37 @@ class Checkpointer:
 
   # -- Saving ------------------------------------------------------------------
 
-  def save(self, step: int, state: PyTree, layout: Mapping[str, Any]) -> None:
+  def save(self, step: int, state: PyTree, layout: Mapping[str, Any], *,
+           metrics: Mapping[str, float] | None = None,
+           action_states: Mapping[str, Any] | None = None) -> None:
     """Starts writing `state` (canonical layout, device arrays) as checkpoint `step`.
 
     Returns once the arrays have been copied off the devices; the files are
     written in the background. An earlier save that failed is raised here.
 
+    Args:
+      metrics: eval results at `step`; kept (and ranked) only with a `best_metric`.
+      action_states: the loop actions' JSON state, stored in the layout item.
+
     Raises:
+      ValueError: `metrics` lacks `best_metric`.
       CheckpointError: this save, or the previous one, failed.
     """
+    if metrics is not None and self.best_metric:
+      if self.best_metric not in metrics:
+        raise ValueError(f"config.checkpoint.best_metric={self.best_metric!r} is not an eval "
+                         f"metric; the eval metrics are {sorted(metrics)}.")
+      metrics = {k: float(v) for k, v in metrics.items()}
+    else:
+      metrics = None
     self.wait()
+    layout = {"version": LAYOUT_VERSION, "step": step, **layout,
+              "actions": dict(action_states or {})}
     try:
       self._manager.save(step, args=ocp.args.Composite(**{
           STATE_ITEM: ocp.args.StandardSave(serialization.to_state_dict(state)),
-          LAYOUT_ITEM: ocp.args.JsonSave({"version": LAYOUT_VERSION, "step": step, **layout}),
-      }), force=True)
+          LAYOUT_ITEM: ocp.args.JsonSave(layout),
+      }), metrics=metrics, force=True)
     except Exception as e:
       raise CheckpointError(f"saving checkpoint step {step} to {self.directory} failed: "
                             f"{type(e).__name__}: {e}") from e
@@ -196,6 +251,10 @@ class Checkpointer:
     if layout.get("version") != LAYOUT_VERSION or "num_members" not in layout:
       raise self._read_error(step, ValueError(f"unknown layout {layout}"))
     return layout
+
+  def action_states(self, step: int) -> dict[str, Any]:
+    """The loop actions' state saved with checkpoint `step` (empty if none)."""
+    return dict(self.layout(step).get("actions") or {})
 
   def restore(self, step: int, target: PyTree) -> PyTree:
     """Restores checkpoint `step` into the structure of `target`.

@@ -1,31 +1,107 @@
-"""Optimizers built from config fields (`optimizer`, `learning_rate`, `momentum`, ...)."""
+"""The optimizer recipe from config: learning-rate schedule, clipping, weight decay with a mask.
+
+Fields read (all in `configs/base.py`): `optimizer`, `learning_rate` (the
+peak), `momentum`, `weight_decay`, `grad_clip_norm`, and `schedule.{name,
+warmup_steps, end_factor}`. Each is read here and nowhere else.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
+import jax
 import ml_collections
 import optax
 
 OPTIMIZERS = ("sgd", "adam", "adamw")
+SCHEDULES = ("constant", "cosine", "linear")
+
+#: Parameter names that are never decayed: biases and normalisation scales.
+NO_DECAY_NAMES = ("bias", "scale")
+
+PyTree = Any
 
 
-def create_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransformation:
-  """An optax optimizer from `config.optimizer` and its hyperparameters.
+def default_decay_mask(params: PyTree) -> PyTree:
+  """True for the weights weight decay applies to: kernels and embeddings.
 
-  Fields: `optimizer` (one of OPTIMIZERS, default 'sgd'), `learning_rate`,
-  `momentum` (sgd; 0 or None for plain SGD), `weight_decay` (adamw).
+  Biases and norm scales (named `bias` / `scale`, as Flax Linen and NNX name
+  them, and any array of fewer than 2 dimensions) are left out, as in the
+  BERT/ViT recipes.
+  """
+
+  def decays(path, x) -> bool:
+    last = getattr(path[-1], "key", getattr(path[-1], "name", None)) if path else None
+    if last == "value" and len(path) > 1:  # A Flax logical box's field.
+      last = getattr(path[-2], "key", getattr(path[-2], "name", None))
+    return jax.numpy.ndim(x) >= 2 and last not in NO_DECAY_NAMES
+
+  return jax.tree_util.tree_map_with_path(decays, params)
+
+
+def create_schedule(config: ml_collections.ConfigDict, num_train_steps: int) -> optax.Schedule:
+  """`step -> learning rate`: linear warmup from 0, then constant, cosine or linear decay.
+
+  Decay runs from the end of warmup to `num_train_steps`, down to
+  `learning_rate * schedule.end_factor`.
 
   Raises:
-    ValueError: an unknown optimizer name or a non-positive learning rate.
+    ValueError: an unknown schedule, a non-positive learning rate, or a
+      warmup that does not fit in the run.
+  """
+  lr = config.learning_rate
+  if not isinstance(lr, (int, float)) or lr <= 0:
+    raise ValueError(f"config.learning_rate={lr!r} must be a positive number.")
+  s = config.get("schedule") or ml_collections.ConfigDict()
+  name = s.get("name", "constant")
+  warmup = s.get("warmup_steps", 0)
+  end = lr * s.get("end_factor", 0.0)
+  if name not in SCHEDULES:
+    raise ValueError(f"config.schedule.name={name!r} is not one of {SCHEDULES}.")
+  if not isinstance(warmup, int) or warmup < 0:
+    raise ValueError(f"config.schedule.warmup_steps={warmup!r} must be an integer >= 0.")
+  if name != "constant" and (num_train_steps is None or num_train_steps <= warmup):
+    raise ValueError(
+        f"config.schedule.name={name!r} decays over the run, so it needs the run's length: "
+        f"num_train_steps={num_train_steps} must exceed config.schedule.warmup_steps={warmup}.")
+  after = {"constant": lambda: optax.constant_schedule(lr),
+           "cosine": lambda: optax.cosine_decay_schedule(lr, num_train_steps - warmup,
+                                                         alpha=end / lr),
+           "linear": lambda: optax.linear_schedule(lr, end, num_train_steps - warmup)}[name]()
+  if not warmup:
+    return after
+  return optax.join_schedules([optax.linear_schedule(0.0, lr, warmup), after], [warmup])
+
+
+def create_optimizer(config: ml_collections.ConfigDict, schedule: optax.Schedule, *,
+                     decay_mask: Callable[[PyTree], PyTree] = default_decay_mask,
+                     ) -> optax.GradientTransformation:
+  """An optax chain: clip by global norm, weight decay on `decay_mask`, the optimizer.
+
+  `weight_decay` is decoupled for adamw (optax's `adamw(mask=)`); for sgd and
+  adam it is added to the gradient (L2, as `torch.optim.SGD` does).
+
+  Raises:
+    ValueError: an unknown optimizer name, or a negative clip norm or decay.
   """
   name = config.get("optimizer", "sgd")
-  lr = config.learning_rate
-  if not lr or lr <= 0:
-    raise ValueError(f"config.learning_rate={lr!r} must be a positive number.")
-  if name == "sgd":
-    return optax.sgd(lr, momentum=config.get("momentum") or None)
-  if name == "adam":
-    return optax.adam(lr)
+  clip = config.get("grad_clip_norm", 0.0) or 0.0
+  decay = config.get("weight_decay", 0.0) or 0.0
+  if name not in OPTIMIZERS:
+    raise ValueError(f"config.optimizer={name!r} is not supported; choose one of: "
+                     f"{', '.join(OPTIMIZERS)}.")
+  if clip < 0:
+    raise ValueError(f"config.grad_clip_norm={clip!r} must be >= 0 (0: no clipping).")
+  if decay < 0:
+    raise ValueError(f"config.weight_decay={decay!r} must be >= 0 (0: no weight decay).")
+  parts = [optax.clip_by_global_norm(clip)] if clip else []
   if name == "adamw":
-    return optax.adamw(lr, weight_decay=config.get("weight_decay", 1e-4))
-  raise ValueError(f"config.optimizer={name!r} is not supported; choose one of: "
-                   f"{', '.join(OPTIMIZERS)}.")
+    parts.append(optax.adamw(schedule, weight_decay=decay, mask=decay_mask))
+  else:
+    if decay:
+      parts.append(optax.add_decayed_weights(decay, mask=decay_mask))
+    parts.append(optax.sgd(schedule, momentum=config.get("momentum") or None) if name == "sgd"
+                 else optax.adam(schedule))
+  # One part stays unchained, so a plain optimizer's state has the plain layout.
+  return parts[0] if len(parts) == 1 else optax.chain(*parts)

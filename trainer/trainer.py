@@ -16,9 +16,6 @@ import contextlib
 import functools
 import logging
 import re
-import signal
-import threading
-import time
 import zlib
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
@@ -35,11 +32,15 @@ from clu import metrics as clu_metrics
 
 from strategies import Strategy, create_strategy
 from strategies.base import BATCH_AXIS, bind_size_one_batch_axis, keypath_str
+from trainer import actions as actions_lib
 from trainer import metrics as metrics_lib
 from trainer import model_variables
+from trainer.accumulation import Accumulation
+from trainer.actions import Action, FitResult, Loop
 from trainer.checkpoint import Checkpointer, CheckpointError
-from trainer.optim import create_optimizer
-from trainer.train_state import TrainState
+from trainer.optim import create_optimizer, create_schedule
+from trainer.precision import Precision
+from trainer.train_state import EmaTrainState, TrainState
 
 Batch = Mapping[str, Any]
 PyTree = Any
@@ -51,10 +52,6 @@ EVAL_RNG_TAG = 0x7FFFFFFF
 
 #: What `config.nonfinite` may say a train step does with a non-finite loss or gradient.
 NONFINITE_ACTIONS = ("stop", "skip")
-
-
-class NonFiniteError(FloatingPointError):
-  """A train step produced a non-finite loss or gradient norm under `nonfinite='stop'`."""
 
 
 class BatchKeyError(KeyError):
@@ -87,30 +84,6 @@ def _models(num_members: int) -> str:
   return f"{num_members} models" if num_members else "a single model"
 
 
-class _StopRequest:
-  """Records a termination signal so the loop can stop between steps."""
-
-  def __init__(self):
-    self.signum: int | None = None
-
-  def __call__(self, signum, frame):
-    del frame
-    self.signum = signum
-
-  @contextlib.contextmanager
-  def installed(self, signals: tuple[int, ...]):
-    """Handles `signals` for the duration; outside the main thread this is a no-op."""
-    if threading.current_thread() is not threading.main_thread():
-      yield self
-      return
-    previous = {s: signal.signal(s, self) for s in signals}
-    try:
-      yield self
-    finally:
-      for s, handler in previous.items():
-        signal.signal(s, handler)
-
-
 def pad_batch(batch: Batch, size: int) -> dict[str, np.ndarray]:
   """Pads a host batch to `size` examples and adds a 0/1 `mask` of the real ones.
 
@@ -133,8 +106,9 @@ class Trainer(abc.ABC):
 
   Required hooks: `build_model` (a Linen module, or a factory of an NNX one)
   and `loss`. Optional hooks: `model_inputs` (what the model is called with),
-  `apply_model`, `build_optimizer`, `train_metrics`, `eval_metrics`,
-  `prediction`.
+  `apply_model`, `build_schedule`, `build_optimizer`, `create_train_state`,
+  `train_metrics`, `eval_metrics`, `prediction`, `default_actions` (the
+  loop's side effects, `trainer.actions`).
 
   Model variables: `state.params` and `state.model_state` (every other
   collection, e.g. BatchNorm's `batch_stats`: updated by the train step, read
@@ -151,8 +125,11 @@ class Trainer(abc.ABC):
   members draw from their own `state.rng`, so their streams differ.
 
   Config fields read here: `seed`, `batch_size`, `eval_batch_size` (defaults
-  to `batch_size`), `log_every_steps`, `eval_every_steps`, `nonfinite`,
-  `strategy.*`, and the optimizer fields read by `trainer.optim.create_optimizer`.
+  to `batch_size`), `num_train_steps`, `nonfinite`, `ema_decay`,
+  `strategy.*`; `grad_accum_*` by `trainer.accumulation`,
+  `mixed_precision.*` by `trainer.precision`, the
+  optimizer and schedule fields by `trainer.optim`, and `log_every_steps`,
+  `eval_every_steps`, `early_stopping.*`, `profile.*` by `trainer.actions`.
 
   Attributes:
     input_key: the batch entry passed to the model by the default `model_inputs`.
@@ -165,16 +142,36 @@ class Trainer(abc.ABC):
   target_key: str = "targets"
   rng_streams: tuple[str, ...] = ("dropout",)
 
-  def __init__(self, config: ml_collections.ConfigDict, *, strategy: Strategy | None = None):
+  def __init__(self, config: ml_collections.ConfigDict, *, strategy: Strategy | None = None,
+               num_train_steps: int | None = None):
     """Builds strategy, model and optimizer, validating the config before any compute.
+
+    Args:
+      config: the run's config.
+      strategy: overrides the one `config.strategy` names.
+      num_train_steps: the run's length, which decaying learning-rate schedules
+        need; defaults to `config.num_train_steps` when that is positive.
 
     Raises:
       ValueError: an unknown strategy or optimizer, a mesh or rule table that
-        does not fit the devices, or a batch size that does not split evenly.
+        does not fit the devices, a batch size that does not split evenly (into
+        data replicas and `grad_accum_steps` microbatches), or a recipe field
+        out of range.
     """
     self.config = config
     self.strategy = strategy if strategy is not None else create_strategy(config)
     self.strategy.check_batch_size(config.batch_size)
+    if num_train_steps is None and config.get("num_train_steps", 0) > 0:
+      num_train_steps = config.num_train_steps
+    self.num_train_steps = num_train_steps
+    self.accumulation = Accumulation.from_config(
+        config, num_data_replicas=self.strategy.num_data_replicas,
+        strategy_name=self.strategy.name)
+    self.ema_decay = config.get("ema_decay", 0.0) or 0.0
+    if not 0.0 <= self.ema_decay < 1.0:
+      raise ValueError(f"config.ema_decay={self.ema_decay!r} must be in [0, 1) "
+                       f"(0: no EMA of the parameters).")
+    self.precision = Precision.from_config(config)
     self.eval_batch_size = config.get("eval_batch_size", config.batch_size)
     if not isinstance(self.eval_batch_size, int) or self.eval_batch_size < 1:
       raise ValueError(f"config.eval_batch_size={self.eval_batch_size!r} must be a positive "
@@ -188,17 +185,12 @@ class Trainer(abc.ABC):
       raise ValueError(f"config.nonfinite={self.nonfinite!r} is not one of "
                        f"{NONFINITE_ACTIONS}: 'stop' raises at the first non-finite loss or "
                        f"gradient norm, 'skip' leaves such updates out and counts them.")
+    self.schedule = self.build_schedule()
     self.model = self.build_model()
     self.model_variables = model_variables.create(self.model)
     self.optimizer = self.build_optimizer()
     self._compiled: dict[str, Callable] = {}  # Step name -> the strategy's compiled step.
     self._traced: set[str] = set()  # Eval-side steps traced ahead of their first use.
-    #: (step, results) of every evaluation `fit` ran, oldest first.
-    self.eval_history: list[tuple[int, dict[str, float]]] = []
-    #: Steps whose update `nonfinite='skip'` left out, in this process.
-    self.skipped_steps = 0
-    #: The signal that stopped the last `fit` early (after saving), or None.
-    self.stopped_by: int | None = None
 
   # -- Hooks a research project overrides ------------------------------------
 
@@ -215,9 +207,34 @@ class Trainer(abc.ABC):
   def loss(self, outputs: Any, batch: Batch) -> jax.Array:
     """Per-example losses, shape [batch], for the model's outputs on `batch`."""
 
+  def build_schedule(self) -> optax.Schedule | None:
+    """`step -> learning rate`, logged as `train/learning_rate`; from `config.schedule`.
+
+    Return None if `build_optimizer` makes its own learning rates.
+    """
+    return create_schedule(self.config, self.num_train_steps)
+
   def build_optimizer(self) -> optax.GradientTransformation:
-    """The optax optimizer; by default built from the config's optimizer fields."""
-    return create_optimizer(self.config)
+    """The optax optimizer; by default `trainer.optim.create_optimizer` with `self.schedule`.
+
+    The default clips by `grad_clip_norm` and decays the weights that
+    `trainer.optim.default_decay_mask` selects (not biases or norm scales).
+    """
+    return create_optimizer(self.config, self.schedule)
+
+  def learning_rate(self, step: int) -> float | None:
+    """The learning rate of the update from `step` to `step + 1`, or None if unknown."""
+    return None if self.schedule is None else float(self.schedule(step))
+
+  def default_actions(self, *, checkpointer: Checkpointer | None,
+                      eval_batches: Callable[[], Iterable[Batch]] | None,
+                      workdir: str | None) -> list[Action]:
+    """The loop's built-in actions, in the order that states its rules (see `trainer.actions`).
+
+    Override to reorder or replace them; `fit(actions=...)` adds to them.
+    """
+    return actions_lib.default_actions(self, checkpointer=checkpointer,
+                                       eval_batches=eval_batches, workdir=workdir)
 
   def model_inputs(self, batch: Batch, *, train: bool,
                    rngs: Mapping[str, jax.Array]) -> tuple[tuple, dict]:
@@ -321,29 +338,35 @@ class Trainer(abc.ABC):
       # Bound (size 1) so a model that names the batch axis also inits outside a step.
       params, model_state = bind_size_one_batch_axis(
           lambda inputs: self.model_variables.init(rngs, inputs), inputs)
-      return TrainState.create(apply_fn=self.model_variables.apply, params=params,
-                               model_state=model_state, tx=self.optimizer, rng=state_rng)
+      return self.create_train_state(params=params, model_state=model_state, rng=state_rng)
 
     init = self._explaining_missing_keys(init)
     return lambda rng: init(rng, jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes))
 
+  def create_train_state(self, *, params: PyTree, model_state: PyTree,
+                         rng: jax.Array) -> TrainState:
+    """The initial state of one model: an `EmaTrainState` when `config.ema_decay` > 0."""
+    fields = dict(apply_fn=self.model_variables.apply, params=params, model_state=model_state,
+                  tx=self.optimizer, rng=rng)
+    if self.ema_decay:
+      return EmaTrainState.create(ema_decay=self.ema_decay, **fields)
+    return TrainState.create(**fields)
+
   def train_step(self, state: TrainState, batch: Batch) -> tuple[TrainState, PyTree]:
     """One optimizer update: `(state, batch) -> (state, {'metrics', 'finite'})`.
 
-    `finite` says whether the mean loss and the gradient norm were finite;
-    with `nonfinite='skip'` a non-finite step keeps the old parameters and
-    optimizer state (the step counter still advances, so data stays aligned).
+    With `grad_accum_steps = k > 1` the batch runs as k microbatches
+    (`trainer.accumulation`): the update is the big-batch update, and the
+    model state (BatchNorm statistics) is carried from microbatch to
+    microbatch. `finite` says whether the mean loss and the
+    gradient norm were finite; with `nonfinite='skip'` a non-finite step keeps
+    the old parameters and optimizer state (the step counter still advances,
+    so data stays aligned).
     """
-    rngs = self.step_rngs(self.strategy.replica_rng(jax.random.fold_in(state.rng, state.step)))
-
-    def loss_fn(params):
-      outputs, model_state = self.apply_model(params, state.model_state, batch, rngs=rngs,
-                                              train=True)
-      per_example = self._per_example_loss(outputs, batch)
-      return jnp.mean(per_example), (per_example, outputs, model_state)
-
-    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-    (mean_loss, (per_example, outputs, model_state)), grads = grad_fn(state.params)
+    key = self.strategy.replica_rng(jax.random.fold_in(state.rng, state.step))
+    grads, mean_loss, model_state, metrics = self.accumulation.gradients(
+        self._gradients, state.params, state.model_state, batch, key,
+        constrain=self.strategy.constrain_batch)
     grads = self.strategy.mean_over_data(grads)
     finite = (jnp.isfinite(self.strategy.mean_over_data(mean_loss))
               & jnp.isfinite(optax.tree.norm(grads)))
@@ -351,15 +374,48 @@ class Trainer(abc.ABC):
     if self.nonfinite == "skip":
       kept = state.replace(step=new_state.step)
       new_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old), new_state, kept)
-    metrics = self.strategy.merge_metrics_over_data(
-        self.train_metrics(outputs, batch, per_example))
-    return new_state, {"metrics": metrics, "finite": finite}
+    return new_state, {"metrics": self.strategy.merge_metrics_over_data(metrics),
+                       "finite": finite}
+
+  def _gradients(self, params: PyTree, model_state: PyTree, batch: Batch,
+                 key: jax.Array) -> tuple[PyTree, jax.Array, PyTree, PyTree]:
+    """`(gradients, mean loss, new model_state, metrics)` of one (micro)batch, before any
+    mean over data replicas. The loss is scaled by `precision.loss_scale` for the
+    backward pass (float16) and the gradients unscaled."""
+    rngs = self.step_rngs(key)
+    scale = self.precision.loss_scale
+
+    def loss_fn(params):
+      outputs, new_model_state = self._forward(params, model_state, batch, rngs=rngs,
+                                               train=True)
+      per_example = self._per_example_loss(outputs, batch)
+      mean = jnp.mean(per_example)
+      return mean * scale, (mean, per_example, outputs, new_model_state)
+
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    (_, (mean_loss, per_example, outputs, new_model_state)), grads = grad_fn(params)
+    if scale != 1.0:
+      grads = jax.tree.map(lambda g: g / scale, grads)
+    return grads, mean_loss, new_model_state, self.train_metrics(outputs, batch, per_example)
+
+  def _forward(self, params: PyTree, model_state: PyTree, batch: Batch, *,
+               rngs: Mapping[str, jax.Array], train: bool) -> tuple[Any, PyTree]:
+    """`apply_model` under the precision policy: compute dtype in, float32 outputs out.
+
+    The model state keeps its dtypes (float32 BatchNorm statistics).
+    """
+    p = self.precision
+    outputs, new_model_state = self.apply_model(p.to_compute(params), model_state,
+                                                 p.to_compute(batch), rngs=rngs, train=train)
+    if p.is_mixed:
+      new_model_state = jax.tree.map(lambda new, old: jnp.asarray(new, old.dtype),
+                                     new_model_state, model_state)
+    return p.to_float32(outputs), new_model_state
 
   def _eval_outputs(self, state: TrainState, batch: Batch) -> Any:
     """The model's outputs in eval mode, with RNG streams of their own (fixed per state)."""
     rngs = self.step_rngs(self.strategy.replica_rng(jax.random.fold_in(state.rng, EVAL_RNG_TAG)))
-    outputs, _ = self.apply_model(state.params, state.model_state, batch, rngs=rngs,
-                                  train=False)
+    outputs, _ = self._forward(state.params, state.model_state, batch, rngs=rngs, train=False)
     return outputs
 
   def eval_step(self, state: TrainState, batch: Batch) -> PyTree:
@@ -437,14 +493,17 @@ class Trainer(abc.ABC):
           num_steps: int, state: TrainState | None = None,
           eval_batches: Callable[[], Iterable[Batch]] | None = None,
           writer: metric_writers.MetricWriter | None = None,
-          checkpointer: Checkpointer | None = None) -> TrainState:
-    """Trains until `state.step == num_steps`, logging, evaluating and checkpointing.
+          checkpointer: Checkpointer | None = None, actions: Iterable[Action] = (),
+          workdir: str | None = None) -> FitResult:
+    """Trains until `state.step == num_steps` (or an action stops it), running the actions.
 
-    With a `checkpointer`, a run whose directory holds a complete checkpoint
-    resumes from the latest one (no flag needed); checkpoints are written
-    every `checkpointer.every_steps` steps and at the end. On SIGTERM the
-    current step finishes, a checkpoint is saved and written, and `fit`
-    returns early with `self.stopped_by` set.
+    The loop itself only steps; logging, the non-finite guard, evaluation,
+    early stopping, checkpoints, SIGTERM and profiling are actions
+    (`trainer.actions`), run after each step in the order `default_actions`
+    gives, with `actions` inserted before the checkpoint (so a checkpoint
+    holds their state after this step). With a `checkpointer`, a run whose directory
+    holds a complete checkpoint resumes from the latest one (no flag needed),
+    the actions' saved state included.
 
     Args:
       train_batches: `start_step -> iterable of host batches`, where batch i is
@@ -453,14 +512,16 @@ class Trainer(abc.ABC):
       num_steps: the step to stop at.
       state: the state to continue from; else restored from `checkpointer`,
         else created from `config.seed`.
-      eval_batches: returns a fresh iterable of eval batches for each evaluation;
-        evaluations run every `eval_every_steps` and at the last step, and are
-        appended to `self.eval_history`.
+      eval_batches: returns a fresh iterable of eval batches for each evaluation
+        (every `eval_every_steps` and at the last step).
       writer: where scalars go; console logging if None.
       checkpointer: where checkpoints are saved and resumed from.
+      actions: the user's actions: after the guard, logging and evaluation,
+        before the checkpoint.
+      workdir: where a profile trace goes (`config.profile`).
 
     Returns:
-      The final state.
+      A `FitResult`: the final state, the evaluations, why the run stopped.
 
     Raises:
       ValueError: a train batch does not hold `config.batch_size` examples
@@ -472,6 +533,9 @@ class Trainer(abc.ABC):
       CheckpointError: a checkpoint could not be read, restored or written.
     """
     writer = writer or metric_writers.LoggingWriter()
+    run_actions = actions_lib.with_user_actions(
+        self.default_actions(checkpointer=checkpointer, eval_batches=eval_batches,
+                             workdir=workdir), list(actions))
     resume_step = checkpointer.latest_step() if checkpointer and state is None else None
     start = resume_step or (self.step_of(state) if state is not None else 0)
     if callable(train_batches):
@@ -483,78 +547,39 @@ class Trainer(abc.ABC):
           f"where the checkpoint left it.")
     else:
       batches = iter(train_batches)
-    first = next(batches)
-    self._check_train_batch(first, start)
+    batch = next(batches)
+    self._check_train_batch(batch, start)
     if state is None:
-      state = (self.restore_checkpoint(checkpointer, first, step=resume_step)
-               if resume_step else self.init_state(first))
+      state = (self.restore_checkpoint(checkpointer, batch, step=resume_step)
+               if resume_step else self.init_state(batch))
     if resume_step:
       logging.info("Resuming at step %d from %s", resume_step, checkpointer.step_dir(resume_step))
+      saved = checkpointer.action_states(resume_step)
+      for action in run_actions:
+        if action.name in saved:
+          action.load_state_dict(saved[action.name])
     if logging.getLogger().isEnabledFor(logging.INFO):  # The summary reads every shard.
       logging.info("Strategy %s", self.strategy.summary(state))
     step_fn = self.compiled_train_step(state)
     # Eval and predict are traced now, so that a mistake in them stops the run
     # before it trains rather than at the first evaluation.
-    self._trace_eval_steps(state, first, eval_batches)
-    log_every = self.config.get("log_every_steps", 100)
-    eval_every = self.config.get("eval_every_steps", 0)
+    self._trace_eval_steps(state, batch, eval_batches)
 
-    self.stopped_by = None
-    stop = _StopRequest()
-    step = start
-    pending: list[PyTree] = []  # Step metrics stay on device until the next log.
-    unchecked: list[tuple[int, jax.Array]] = []  # The last step's finite flag, checked late.
-
-    def settle():
-      """Checks the flag still pending (blocking on its step)."""
-      while unchecked:
-        self._check_finite(*unchecked.pop(), checkpointer)
-
-    batch, tick = first, time.perf_counter()
-    signals = (signal.SIGTERM,) if checkpointer else ()
-    with stop.installed(signals), self._waiting_for_saves(checkpointer):
-      while step < num_steps:
-        state, out = step_fn(state, self.strategy.put_batch(batch))
-        step += 1
-        # The previous step's flag: one step stays in flight (`wait_for_previous_call`).
-        settle()
-        unchecked.append((step, out["finite"]))
-        pending.append(out["metrics"])
-        if step % log_every == 0 or step == num_steps:
-          merged = self.strategy.metrics_to_host(pending)  # One transfer, numpy merges.
-          scalars = {f"train/{k}": v for k, v in metrics_lib.scalars(merged).items()}
-          scalars.update(self._progress(step, num_steps, len(pending), time.perf_counter() - tick))
-          if self.nonfinite == "skip":
-            settle()
-            scalars["train/skipped_steps"] = self.skipped_steps
-          writer.write_scalars(step, scalars)
-          pending, tick = [], time.perf_counter()
-        if checkpointer and (checkpointer.is_save_step(step) or step == num_steps
-                             or stop.signum is not None):
-          settle()  # Never save a state that is not finite.
-          self.save_checkpoint(checkpointer, state, step)
-        if stop.signum is not None:
-          checkpointer.wait()
-          self.stopped_by = stop.signum
-          logging.warning("Stopped by %s at step %d of %d; checkpoint written to %s",
-                          signal.Signals(stop.signum).name, step, num_steps,
-                          checkpointer.step_dir(step))
-          break
-        if eval_batches is not None and (
-            (eval_every and step % eval_every == 0) or step == num_steps):
-          results = self.evaluate(state, eval_batches())
-          self.eval_history.append((step, results))
-          writer.write_scalars(step, {f"eval/{k}": v for k, v in results.items()})
-          tick = time.perf_counter()
-        if step < num_steps:
+    loop = Loop(trainer=self, state=state, step=start, num_steps=num_steps, start_step=start,
+                actions=run_actions, writer=writer, checkpointer=checkpointer)
+    loop.result = FitResult(state=state, step=start)
+    with self._waiting_for_saves(checkpointer), loop.running():
+      while loop.step < num_steps and loop.stop_reason is None:
+        loop.state, loop.outputs = step_fn(loop.state, self.strategy.put_batch(batch))
+        loop.step += 1
+        loop.run_step_actions()
+        if loop.step < num_steps and loop.stop_reason is None:
           batch = next(batches)
-          self._check_train_batch(batch, step)
-      settle()
-    if step == start >= num_steps and eval_batches is not None:
-      # Nothing left to train (a finished run restarted): evaluate the final state.
-      self.eval_history.append((step, self.evaluate(state, eval_batches())))
+          self._check_train_batch(batch, loop.step)
     writer.flush()
-    return state
+    loop.result.state, loop.result.step = loop.state, loop.step
+    loop.result.stopped_by = loop.stop_reason
+    return loop.result
 
   @contextlib.contextmanager
   def _waiting_for_saves(self, checkpointer: Checkpointer | None):
@@ -571,28 +596,6 @@ class Trainer(abc.ABC):
     if checkpointer:
       checkpointer.wait()
 
-  def _check_finite(self, step: int, finite: jax.Array, checkpointer: Checkpointer | None):
-    """Counts (`skip`) or raises (`stop`) if the step that produced `finite` was not."""
-    ok = np.ravel(jax.device_get(finite))  # Per replica or per member.
-    if ok.all():
-      return
-    members = (f" (ensemble member(s) {np.flatnonzero(~ok).tolist()})"
-               if self.strategy.is_ensemble else "")
-    if self.nonfinite == "skip":
-      self.skipped_steps += 1
-      logging.warning("Step %d%s: non-finite loss or gradient norm; update skipped "
-                      "(%d so far)", step, members, self.skipped_steps)
-      return
-    if checkpointer:
-      checkpointer.wait()  # The last save (of a finite state) completes first.
-    latest = checkpointer.latest_step() if checkpointer else None
-    saved = (f"the latest checkpoint is step {latest} in {checkpointer.directory}"
-             if latest is not None else "no checkpoint was written")
-    raise NonFiniteError(
-        f"step {step}{members}: the loss or the gradient norm is not finite, so training "
-        f"stopped (config.nonfinite='stop'; 'skip' would leave such updates out); "
-        f"{saved}.")
-
   # -- Checkpoints -------------------------------------------------------------
 
   def checkpoint_layout(self) -> dict[str, Any]:
@@ -600,9 +603,17 @@ class Trainer(abc.ABC):
     return {"num_members": self.strategy.num_members if self.strategy.is_ensemble else 0,
             "strategy": self.strategy.name}
 
-  def save_checkpoint(self, checkpointer: Checkpointer, state: TrainState, step: int) -> None:
-    """Starts an asynchronous save of `state` as checkpoint `step`."""
-    checkpointer.save(step, self.strategy.checkpoint_state(state), self.checkpoint_layout())
+  def save_checkpoint(self, checkpointer: Checkpointer, state: TrainState, step: int, *,
+                      metrics: Mapping[str, float] | None = None,
+                      action_states: Mapping[str, Any] | None = None) -> None:
+    """Starts an asynchronous save of `state` as checkpoint `step`.
+
+    Args:
+      metrics: eval results at `step`, which orbax ranks best checkpoints by.
+      action_states: the loop's actions' JSON state, restored on resume.
+    """
+    checkpointer.save(step, self.strategy.checkpoint_state(state), self.checkpoint_layout(),
+                      metrics=metrics, action_states=action_states)
 
   def restore_checkpoint(self, checkpointer: Checkpointer, example_batch: Batch, *,
                          step: int | None = None, member: int | None = None) -> TrainState:
@@ -648,15 +659,6 @@ class Trainer(abc.ABC):
       restored = checkpointer.restore(step, target)
     # `restored` is a TrainState whose static fields (apply_fn, tx) are this trainer's.
     return self.strategy.from_checkpoint(restored)
-
-  def _progress(self, step: int, num_steps: int, steps: int, seconds: float) -> dict[str, float]:
-    """Throughput scalars for a log interval, and a console line with the ETA."""
-    steps_per_sec = steps / max(seconds, 1e-9)
-    examples_per_sec = steps_per_sec * self.config.batch_size
-    eta = (num_steps - step) / steps_per_sec
-    logging.info("step %d/%d: %.2f steps/s, %.0f examples/s, ETA %dm%02ds", step, num_steps,
-                 steps_per_sec, examples_per_sec, eta // 60, eta % 60)
-    return {"train/steps_per_sec": steps_per_sec, "train/examples_per_sec": examples_per_sec}
 
   def compiled_train_step_text(self, state: TrainState, example_batch: Batch) -> str:
     """The optimised HLO of the train step as the strategy compiles it (collectives included)."""
