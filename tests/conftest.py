@@ -1,6 +1,8 @@
 """Test setup: 8 fake CPU devices (set before jax initialises) and small trainers."""
 
 import dataclasses
+import fcntl
+import json
 import os
 import pathlib
 import re
@@ -99,7 +101,10 @@ def _eight_devices():
 
 @pytest.fixture(scope="session")
 def readme_runner(tmp_path_factory):
-  root = tmp_path_factory.mktemp("readme")
+  """Runs README commands under one root, shared by the workers of `pytest -n` (xdist)."""
+  base = tmp_path_factory.getbasetemp()
+  root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "readme"
+  root.mkdir(exist_ok=True)
   return readme_commands.Runner(root=root, data_dir=root / "tfds")
 
 
@@ -128,6 +133,15 @@ def real_mnist_run(readme_runner) -> RealMnistRun:
   command = next(c for c in readme_commands.commands() if "pip install" in c
                  and readme_commands.script_of(c) == "examples/mnist_ensemble.py")
   workdir = readme_runner.path(re.search(r"--workdir=/tmp/(\S+)", command).group(1))
-  result = readme_runner.run(command, extra=["--config.num_train_steps=200",
-                                             "--config.log_every_steps=50"])
+  # Under `pytest -n`, the first worker to get here runs it; the others wait and read its result.
+  with open(readme_runner.root / "real_mnist.lock", "w") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    saved = readme_runner.root / "real_mnist.json"
+    if saved.exists():
+      result = subprocess.CompletedProcess(**json.loads(saved.read_text()))
+    else:
+      result = readme_runner.run(command, extra=["--config.num_train_steps=200",
+                                                 "--config.log_every_steps=50"])
+      saved.write_text(json.dumps({"args": result.args, "returncode": result.returncode,
+                                   "stdout": result.stdout, "stderr": result.stderr}))
   return RealMnistRun(command, result, workdir)

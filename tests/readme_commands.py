@@ -10,12 +10,17 @@ MNIST) are appended, so the rest of the command line is exactly the README's.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import pathlib
 import re
 import shlex
 import subprocess
 import sys
+import time
+import urllib.request
+
+import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -119,3 +124,70 @@ class Runner:
   def popen(self, command: str, extra: list[str]) -> subprocess.Popen:
     return subprocess.Popen(self.argv(command, extra), cwd=ROOT, env=self.env(),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+# -- Running them in tests (tests/test_readme.py, tests/test_readme_mnist.py) ------------------
+
+
+def reads_real_mnist(command: str) -> bool:
+  """MNIST commands read the data the first command prepared; TensorBoard reads its logs."""
+  return (script_of(command) == "examples/mnist_ensemble.py"
+          or last_step(command).startswith(".venv/bin/tensorboard"))
+
+
+def runnable() -> list[str]:
+  """Every README command a test runs: all but the test command (CI runs that)."""
+  return [c for c in commands() if not is_test_command(c)]
+
+
+def command_id(command: str) -> str:
+  return last_step(command).removeprefix(".venv/bin/")[:90]
+
+
+def run_and_check(command: str, runner: Runner) -> None:
+  """Runs a README command with few steps (or serves TensorBoard) and checks its output."""
+  if script_of(command):
+    script = script_of(command)
+    assert script in FEW_STEPS, f"no few-step flags for {script} in readme_commands.py"
+    result = runner.run(command)
+  elif last_step(command).startswith(".venv/bin/tensorboard"):
+    _serves_the_logged_scalars(command, runner)
+    return
+  else:
+    pytest.fail(f"README command {command!r} has no runner in tests/readme_commands.py")
+  check(command, result)
+
+
+def check(command: str, result: subprocess.CompletedProcess) -> None:
+  """The command exited 0 and printed what its script prints when it did its job."""
+  output = result.stdout + result.stderr
+  assert result.returncode == 0, output[-5000:]
+  assert re.search(EXPECTED_OUTPUT[script_of(command)], result.stdout,
+                   flags=re.M), output[-3000:]
+
+
+def _serves_the_logged_scalars(command, runner):
+  """Starts the README's TensorBoard on a free loopback port and reads the run's tags."""
+  logdir = runner.path(re.search(r"--logdir\s+/tmp/(\S+)", command).group(1))
+  assert list(logdir.glob("events.out.tfevents.*")), f"no event file in {logdir}"
+  server = runner.popen(command, extra=["--port", "0"])
+  try:
+    url, deadline = None, time.monotonic() + 120
+    while url is None and time.monotonic() < deadline:
+      line = server.stdout.readline()
+      assert line or server.poll() is None, "tensorboard exited before serving"
+      match = re.search(r"TensorBoard \S+ at (http://localhost:\d+/)", line)
+      url = match and match.group(1)
+    assert url, "tensorboard did not report its address within 120 s"
+    tags = {}
+    for _ in range(60):  # The run's event file is loaded in the background.
+      with urllib.request.urlopen(url + "data/plugin/scalars/tags", timeout=10) as response:
+        tags = json.load(response)
+      if any("train/loss" in run_tags for run_tags in tags.values()):
+        break
+      time.sleep(1)
+    assert any({"train/loss", "eval/ensemble_accuracy"} <= set(run_tags)
+               for run_tags in tags.values()), tags
+  finally:
+    server.terminate()
+    server.wait(timeout=30)
