@@ -12,6 +12,12 @@ TensorBoard event files, `metrics.jsonl` and orbax checkpoints
 (`checkpoints/<step>`) go to `--workdir`. Running the same command again in
 the same workdir resumes from the latest complete checkpoint; on SIGTERM the
 run saves a checkpoint and exits 0.
+
+On several processes (each feeding its rows of every batch; logs and files
+from process 0):
+
+    python -m trainer.launch --num_processes 2 examples/mnist_ensemble.py \
+        --config=configs/mnist_ensemble.py --workdir=/tmp/mnist_2x4
 """
 
 import os
@@ -66,7 +72,8 @@ def train_and_evaluate(config, workdir: str) -> dict[str, float] | None:
   writer.write_hparams(config.to_dict())
   try:
     result = trainer.fit(
-        lambda start: data.train_batches(train, config.batch_size, config.seed, start),
+        lambda start: data.train_batches(train, config.batch_size, config.seed, start,
+                                         rows=trainer.strategy.process_slice(config.batch_size)),
         num_steps=num_steps, checkpointer=checkpointer, writer=writer, workdir=workdir,
         eval_batches=lambda: data.eval_batches(test, config.eval_batch_size))
   finally:
@@ -82,15 +89,19 @@ def train_and_evaluate(config, workdir: str) -> dict[str, float] | None:
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
-  # Before anything initialises jax's backends: how many host devices a CPU run has.
-  from trainer.devices import set_num_cpu_devices
-  set_num_cpu_devices(FLAGS.config.get("num_cpu_devices", 0))
-  results = train_and_evaluate(FLAGS.config, FLAGS.workdir)
+  # Before anything initialises jax's backends: the processes of a multi-process
+  # run (`python -m trainer.launch`, or a cluster's environment) and how many
+  # host devices a CPU run has.
+  from trainer import devices
+  devices.initialize(FLAGS.config.get("num_cpu_devices", 0))
+  with devices.naming_the_process():
+    results = train_and_evaluate(FLAGS.config, FLAGS.workdir)
   if results is None:
     logging.info("Stopped early after saving; run the same command to resume.")
     return
   logging.info("Final eval: %s", results)
-  print(" ".join(f"{k}={v:.4f}" for k, v in sorted(results.items())))
+  if devices.is_primary():
+    print(" ".join(f"{k}={v:.4f}" for k, v in sorted(results.items())))
 
 
 if __name__ == "__main__":

@@ -29,28 +29,36 @@ flags.mark_flags_as_required(["workdir"])
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
-  from trainer.devices import set_num_cpu_devices
-  set_num_cpu_devices(FLAGS.num_cpu_devices)
+  from trainer import devices
+  devices.initialize(FLAGS.num_cpu_devices)
+  with devices.naming_the_process():
+    train(FLAGS.config, FLAGS.workdir)
+
+
+def train(config, workdir: str) -> None:
   import itertools
 
   from trainer import LanguageModelTrainer, writers
   from trainer.checkpoint import Checkpointer
+  from trainer.devices import is_primary
   from trainer.language_model import synthetic_token_batches
 
-  config = FLAGS.config
   trainer = LanguageModelTrainer(config)
-  checkpointer = Checkpointer.from_config(config, FLAGS.workdir)
+  checkpointer = Checkpointer.from_config(config, workdir)
+  rows = trainer.strategy.process_slice(config.batch_size)  # This process's rows.
   stream = lambda start: synthetic_token_batches(  # noqa: E731
-      config.seed, config.batch_size, config.seq_len, config.model.vocab_size, start)
-  held_out = list(itertools.islice(stream(10**6), 4))  # Steps no run reaches.
-  writer = writers.create_writer(FLAGS.workdir)
+      config.seed, config.batch_size, config.seq_len, config.model.vocab_size, start, rows)
+  # Eval batches are global: each process passes all, the Trainer puts its rows.
+  held_out = list(itertools.islice(synthetic_token_batches(
+      config.seed, config.batch_size, config.seq_len, config.model.vocab_size, 10**6), 4))
+  writer = writers.create_writer(workdir)
   try:
     result = trainer.fit(stream, num_steps=config.num_train_steps, checkpointer=checkpointer,
-                         writer=writer, eval_batches=lambda: held_out, workdir=FLAGS.workdir)
+                         writer=writer, eval_batches=lambda: held_out, workdir=workdir)
   finally:
     checkpointer.close()
     writer.close()
-  if result.final_eval:
+  if result.final_eval and is_primary():
     logging.info("Final eval: %s", result.final_eval)
     print(" ".join(f"{k}={v:.4f}" for k, v in sorted(result.final_eval.items())))
 

@@ -57,6 +57,9 @@ class Strategy(abc.ABC):
   #: Whether every state array carries a leading member axis (ensembles).
   is_ensemble: bool = False
 
+  #: Whether the strategy's devices may belong to several processes (`jax.distributed`).
+  spans_processes: bool = False
+
   @property
   @abc.abstractmethod
   def num_data_replicas(self) -> int:
@@ -71,6 +74,35 @@ class Strategy(abc.ABC):
           f"{replicas} data replicas of strategy {self.name!r}; "
           f"try {max(replicas, global_batch_size - global_batch_size % replicas)}.")
 
+  def check_processes(self) -> None:
+    """Raises ValueError on a multi-process run if the strategy sees one process's devices."""
+    if jax.process_count() > 1 and not self.spans_processes:
+      from strategies.registry import multi_process_strategies
+      raise ValueError(
+          f"config.strategy.name={self.name!r} places everything on the devices of one "
+          f"process, but this run has {jax.process_count()} processes (jax.distributed); "
+          f"use one of {multi_process_strategies()}, whose mesh spans all processes.")
+
+  # -- Process layout ----------------------------------------------------------
+
+  def process_rows(self) -> tuple[int, int]:
+    """`(index, count)`: this process feeds block `index` of `count` equal, consecutive
+    blocks of every global batch (`(0, 1)`: the whole batch, as on one process)."""
+    return 0, 1
+
+  def process_slice(self, global_batch_size: int) -> slice:
+    """The rows of a global batch of `global_batch_size` that this process feeds."""
+    index, count = self.process_rows()
+    size = global_batch_size // count
+    return slice(index * size, (index + 1) * size)
+
+  def local_rows(self, batch: PyTree) -> PyTree:
+    """This process's rows of a global host batch (the batch itself on one process)."""
+    if self.process_rows()[1] == 1:
+      return batch
+    rows = self.process_slice(int(np.shape(jax.tree.leaves(batch)[0])[0]))
+    return jax.tree.map(lambda x: np.asarray(x)[rows], batch)
+
   # -- Placement -------------------------------------------------------------
 
   @abc.abstractmethod
@@ -82,7 +114,10 @@ class Strategy(abc.ABC):
 
   @abc.abstractmethod
   def put_batch(self, batch: PyTree) -> PyTree:
-    """Moves a host batch (global, leading batch axis) to devices."""
+    """Moves this process's rows of a global batch (`process_slice`) to devices.
+
+    On one process those are the whole batch.
+    """
 
   @abc.abstractmethod
   def compile_train_step(self, step_fn: StepFn, state: PyTree) -> StepFn:
@@ -157,7 +192,7 @@ class Strategy(abc.ABC):
     host in one transfer and merge there in numpy, over calls and then over
     this strategy's device axis (`merge_device_axis`): no jax op per metric.
     """
-    host = jax.device_get(list(metrics))
+    host = to_host(list(metrics))
     return self.merge_device_axis(functools.reduce(lambda a, b: a.merge(b), host))
 
   def merge_device_axis(self, metrics: PyTree) -> PyTree:
@@ -166,7 +201,7 @@ class Strategy(abc.ABC):
 
   def outputs_to_host(self, outputs: PyTree) -> PyTree:
     """Per-example outputs as host arrays with the global batch as leading axis."""
-    return jax.device_get(outputs)
+    return to_host(outputs)
 
   def to_canonical(self, tree: PyTree) -> PyTree:
     """State (or params) as host arrays in the strategy-independent layout.
@@ -175,7 +210,7 @@ class Strategy(abc.ABC):
     unsharded; ensemble strategies give a leading member axis: the checkpoint
     layout, on the host.
     """
-    return jax.device_get(self.checkpoint_state(tree))
+    return to_host(self.checkpoint_state(tree))
 
   # -- Checkpoint layout ---------------------------------------------------------
   # On disk a state is stored once per model: one copy of each array for a
@@ -264,4 +299,45 @@ def merge_along_leading_axis(collection: PyTree) -> PyTree:
 
 def first_along_leading_axis(tree: PyTree) -> PyTree:
   """Host copy of element 0 of every leaf's leading axis."""
-  return jax.tree.map(lambda x: np.asarray(x[0]), jax.device_get(tree))
+  return jax.tree.map(lambda x: np.asarray(x[0]), to_host(tree))
+
+
+def to_host(tree: PyTree) -> PyTree:
+  """Host copies of a pytree's arrays, whole, in every process.
+
+  An array sharded over devices of several processes is gathered from all of
+  them (`process_allgather`, a collective: every process must call this at the
+  same point); replicated and process-local arrays are read where they are.
+  """
+  def spans_processes(x):
+    return (isinstance(x, jax.Array) and not x.is_fully_addressable
+            and not x.is_fully_replicated)
+
+  if not any(spans_processes(x) for x in jax.tree.leaves(tree)):
+    return jax.device_get(tree)
+  from jax.experimental import multihost_utils
+  return jax.tree.map(lambda x: np.asarray(multihost_utils.process_allgather(x, tiled=True))
+                      if spans_processes(x) else jax.device_get(x), tree)
+
+
+def process_rows_of(sharding: jax.sharding.Sharding, num_replicas: int) -> tuple[int, int]:
+  """`Strategy.process_rows` for a batch laid out by `sharding` over `num_replicas` parts.
+
+  Raises:
+    ValueError: this process's devices hold rows that are not one consecutive
+      block (the mesh interleaves the processes along the batch axis).
+  """
+  if jax.process_count() == 1:
+    return 0, 1
+  rows = set()
+  for index in sharding.addressable_devices_indices_map((num_replicas,)).values():
+    start, stop, _ = index[0].indices(num_replicas)
+    rows.update(range(start, stop))
+  lo, hi = min(rows), max(rows) + 1
+  size = hi - lo
+  if len(rows) != size or num_replicas % size or lo % size:
+    raise ValueError(
+        f"process {jax.process_index()} holds batch rows {sorted(rows)} of {num_replicas}: "
+        f"not one block of consecutive rows. Order the mesh so that each process's devices "
+        f"are adjacent along the batch axis (jax.make_mesh does).")
+  return lo // size, num_replicas // size

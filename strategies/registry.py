@@ -9,6 +9,7 @@ import ml_collections
 from strategies.base import Strategy
 
 _FACTORIES: dict[str, Callable[[ml_collections.ConfigDict], Strategy]] = {}
+_CLASSES: dict[str, type[Strategy]] = {}
 
 
 def register(name: str):
@@ -23,6 +24,7 @@ def register(name: str):
       raise ValueError(f"strategy name {name!r} is registered twice")
     cls.name = name
     _FACTORIES[name] = cls.from_config
+    _CLASSES[name] = cls
     return cls
 
   return decorator
@@ -31,6 +33,11 @@ def register(name: str):
 def available() -> list[str]:
   """The registered strategy names, sorted."""
   return sorted(_FACTORIES)
+
+
+def multi_process_strategies() -> list[str]:
+  """The registered strategies whose mesh can span several processes."""
+  return [name for name in available() if _CLASSES[name].spans_processes]
 
 
 def create_strategy(config: ml_collections.ConfigDict) -> Strategy:

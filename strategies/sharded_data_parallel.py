@@ -16,9 +16,10 @@ from collections.abc import Sequence
 import flax.linen as nn
 import jax
 import ml_collections
+import numpy as np
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
-from strategies.base import InitFn, PyTree, StepFn, Strategy, keypath_str
+from strategies.base import InitFn, PyTree, StepFn, Strategy, keypath_str, process_rows_of
 from strategies.registry import register
 
 LogicalRules = tuple[tuple[str, str | tuple[str, ...] | None], ...]
@@ -146,7 +147,12 @@ class ShardedDataParallel(Strategy):
   `with_sharding_constraint` hint that XLA's partitioner propagates from,
   which is how the Flax guides use it (under `Explicit` axes it is an
   assertion that fails on unannotated intermediates).
+
+  On a multi-process run the mesh holds every process's devices (in process
+  order, so each process feeds a consecutive block of the batch rows).
   """
+
+  spans_processes = True
 
   def __init__(self, mesh_shape: Sequence[int], mesh_axes: Sequence[str],
                logical_axis_rules: Sequence, devices: Sequence[jax.Device] | None = None):
@@ -203,9 +209,13 @@ class ShardedDataParallel(Strategy):
 
     return jax.tree.map(constrain, tree)
 
+  def process_rows(self) -> tuple[int, int]:
+    return process_rows_of(self._batch_sharding, self.num_data_replicas)
+
   def put_batch(self, batch: PyTree) -> PyTree:
-    return jax.tree.map(
-        lambda x: jax.make_array_from_process_local_data(self._batch_sharding, x), batch)
+    count = self.process_rows()[1]
+    return jax.tree.map(lambda x: jax.make_array_from_process_local_data(
+        self._batch_sharding, x, (np.shape(x)[0] * count,) + np.shape(x)[1:]), batch)
 
   def _compile(self, fn: StepFn, **jit_kwargs) -> StepFn:
     jitted = jax.jit(fn, **jit_kwargs)

@@ -30,6 +30,7 @@ from strategies.base import (
     first_along_leading_axis,
     member_rng,
     merge_along_leading_axis,
+    process_rows_of,
 )
 from strategies.registry import register
 
@@ -62,6 +63,7 @@ class ShardedEnsemble(Strategy):
   """
 
   is_ensemble = True
+  spans_processes = True
 
   def __init__(self, num_members: int, mesh_shape: Sequence[int] = (-1, 1), loop: str = "",
                devices: Sequence[jax.Device] | None = None):
@@ -133,9 +135,13 @@ class ShardedEnsemble(Strategy):
             else lambda r: jax.lax.map(init_fn, r))
     return jax.jit(init, out_shardings=self._member_sharding)(rngs)
 
+  def process_rows(self) -> tuple[int, int]:
+    return process_rows_of(self._batch_sharding, self.num_data_replicas)
+
   def put_batch(self, batch: PyTree) -> PyTree:
-    return jax.tree.map(
-        lambda x: jax.make_array_from_process_local_data(self._batch_sharding, x), batch)
+    count = self.process_rows()[1]
+    return jax.tree.map(lambda x: jax.make_array_from_process_local_data(
+        self._batch_sharding, x, (np.shape(x)[0] * count,) + np.shape(x)[1:]), batch)
 
   def _compile(self, fn: StepFn, loop: str, out_specs, **jit_kwargs) -> StepFn:
     per_device = jax.shard_map(

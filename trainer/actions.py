@@ -41,6 +41,7 @@ import jax
 import numpy as np
 from clu import metric_writers
 
+from strategies.base import to_host
 from trainer import metrics as metrics_lib
 from trainer.checkpoint import Checkpointer
 
@@ -226,7 +227,13 @@ class PeriodicCallback(Action):
 class StopOnSignal(Action):
   """Requests a stop at the first step boundary after one of `signals` arrives.
 
-  Outside the main thread (where Python cannot install handlers) it does nothing.
+  On one process a Python handler notes the signal. On a multi-process run
+  (`jax.distributed`) a SIGTERM reaches one process, or several at different
+  steps, so the processes must agree on where to stop: jax's preemption
+  service (which catches SIGTERM itself) tells every process the same step,
+  the first one all of them can still reach, and each stops there, so they
+  save one checkpoint together. Outside the main thread (where Python cannot
+  install handlers) a one-process run ignores signals.
   """
 
   def __init__(self, signals: Iterable[int] = (signal.SIGTERM,)):
@@ -240,10 +247,16 @@ class StopOnSignal(Action):
     self.received = signum
 
   def begin(self, loop: Loop) -> None:
+    if jax.process_count() > 1:
+      return  # The distributed runtime's handler must keep SIGTERM.
     if threading.current_thread() is threading.main_thread():
       self._previous = {s: signal.signal(s, self._handle) for s in self.signals}
 
   def run(self, loop: Loop) -> None:
+    if jax.process_count() > 1:
+      from jax.experimental import multihost_utils
+      if multihost_utils.reached_preemption_sync_point(loop.step):
+        self.received = signal.SIGTERM
     if self.received is not None:
       loop.request_stop(signal.Signals(self.received).name)
       loop.preempted = True
@@ -281,7 +294,7 @@ class FiniteGuard(Action):
     self._settle(loop)
 
   def _check(self, loop: Loop, step: int, finite: jax.Array) -> None:
-    ok = np.ravel(jax.device_get(finite))  # Per replica or per member.
+    ok = np.ravel(to_host(finite))  # Per replica or per member.
     if ok.all():
       return
     strategy = loop.trainer.strategy

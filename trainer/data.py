@@ -16,6 +16,7 @@ import struct
 import zlib
 from collections.abc import Iterator
 
+import jax
 import ml_collections
 import numpy as np
 import tensorflow_datasets as tfds
@@ -63,10 +64,22 @@ def check_idx_file(path: str, magic: int, shape: tuple[int, ...]) -> None:
 def prepare(name: str, data_dir: str | None, manual_dir: str | None):
   """Returns a TFDS builder whose data is prepared, offline if `manual_dir` is set.
 
+  On a multi-process run process 0 prepares while the others wait, then they
+  open what it wrote (`data_dir` must be shared, as a cluster's file system is).
+
   Raises:
     FileNotFoundError, ValueError: a file in `manual_dir` is missing or corrupt.
     RuntimeError: preparing without `manual_dir` failed (typically: no network).
   """
+  if jax.process_count() == 1:
+    return _prepare(name, data_dir, manual_dir)
+  from jax.experimental import multihost_utils
+  builder = _prepare(name, data_dir, manual_dir) if jax.process_index() == 0 else None
+  multihost_utils.sync_global_devices(f"tfds prepared {name}")
+  return builder or _prepare(name, data_dir, manual_dir)
+
+
+def _prepare(name: str, data_dir: str | None, manual_dir: str | None):
   builder = tfds.builder(name, data_dir=data_dir or None)
   if manual_dir:
     for filename, (magic, shape) in MANUAL_FILES.get(name, {}).items():
@@ -123,12 +136,15 @@ def load_split(builder, split: str, chunk: int = 10_000, field: str = "split") -
                labels=np.concatenate([c["label"] for c in chunks]).astype(np.int32))
 
 
-def train_batches(split: Split, batch_size: int, seed: int,
-                  start_step: int = 0) -> Iterator[dict[str, np.ndarray]]:
+def train_batches(split: Split, batch_size: int, seed: int, start_step: int = 0,
+                  rows: slice = slice(None)) -> Iterator[dict[str, np.ndarray]]:
   """Endless shuffled batches; batch s is a pure function of (seed, s).
 
   Each epoch is a fresh permutation; the last partial batch of an epoch is
-  dropped, so every training batch has the global batch size.
+  dropped, so every training batch has the global batch size. `rows` picks
+  the rows a process feeds (`trainer.strategy.process_slice(batch_size)`):
+  only those examples are read, and the global batch does not depend on the
+  number of processes.
 
   Raises:
     ValueError: the split holds fewer examples than one batch.
@@ -142,7 +158,7 @@ def train_batches(split: Split, batch_size: int, seed: int,
     e, i = divmod(step, steps_per_epoch)
     if e != epoch:
       epoch, order = e, np.random.default_rng((seed, e)).permutation(len(split))
-    yield split.batch(order[i * batch_size:(i + 1) * batch_size])
+    yield split.batch(order[i * batch_size:(i + 1) * batch_size][rows])
     step += 1
 
 

@@ -1,9 +1,70 @@
-"""Host device setup that must happen before jax initialises its backends."""
+"""Host and process setup that must happen before jax initialises its backends.
+
+A run is one process (the default) or several that form one global device set
+through `jax.distributed`. `initialize` decides which from the environment:
+
+- `JAX_NUM_PROCESSES` and `JAX_PROCESS_ID` (with `JAX_COORDINATOR_ADDRESS`,
+  `host:port` of process 0), as `python -m trainer.launch` sets them, or as a
+  user sets them on each host of a cluster;
+- `TRAINER_DISTRIBUTED=auto`: `jax.distributed.initialize()` with no
+  arguments, which finds its settings itself on SLURM, Open MPI, Kubernetes
+  and Cloud TPU pods;
+- neither: one process.
+
+On CPU the processes reach each other through gloo collectives.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import os
+
 import jax
 from absl import logging
+
+NUM_PROCESSES_ENV = "JAX_NUM_PROCESSES"
+PROCESS_ID_ENV = "JAX_PROCESS_ID"
+COORDINATOR_ENV = "JAX_COORDINATOR_ADDRESS"  # jax.distributed.initialize reads it too.
+AUTO_ENV = "TRAINER_DISTRIBUTED"
+
+
+def _env_int(name: str) -> int:
+  value = os.environ[name]
+  try:
+    return int(value)
+  except ValueError:
+    raise ValueError(f"environment variable {name}={value!r} must be an integer.") from None
+
+
+def distributed_settings() -> dict | None:
+  """The `jax.distributed.initialize` arguments the environment asks for (None: one process).
+
+  Raises:
+    ValueError: the variables are incomplete, not integers, or out of range.
+  """
+  auto = os.environ.get(AUTO_ENV, "")
+  if auto not in ("", "auto"):
+    raise ValueError(f"environment variable {AUTO_ENV}={auto!r} must be 'auto' (let "
+                     f"jax.distributed.initialize() detect the cluster) or unset.")
+  if NUM_PROCESSES_ENV not in os.environ:
+    if PROCESS_ID_ENV in os.environ:
+      raise ValueError(f"environment variable {PROCESS_ID_ENV} is set but {NUM_PROCESSES_ENV} "
+                       f"is not; set both (and {COORDINATOR_ENV}) for a multi-process run.")
+    return {} if auto else None
+  num, pid = _env_int(NUM_PROCESSES_ENV), _env_int(PROCESS_ID_ENV) \
+      if PROCESS_ID_ENV in os.environ else None
+  if num < 1:
+    raise ValueError(f"environment variable {NUM_PROCESSES_ENV}={num} must be >= 1.")
+  if pid is None or not 0 <= pid < num:
+    raise ValueError(f"environment variable {PROCESS_ID_ENV}={pid} must be set to an integer "
+                     f"in [0, {num}) when {NUM_PROCESSES_ENV}={num}.")
+  if num == 1:
+    return None
+  if not os.environ.get(COORDINATOR_ENV):
+    raise ValueError(f"environment variable {COORDINATOR_ENV} (host:port of process 0) must "
+                     f"be set when {NUM_PROCESSES_ENV}={num}.")
+  return dict(coordinator_address=os.environ[COORDINATOR_ENV], num_processes=num,
+              process_id=pid)
 
 
 def set_num_cpu_devices(n: int) -> None:
@@ -26,3 +87,58 @@ def set_num_cpu_devices(n: int) -> None:
           f"runs with {len(jax.devices('cpu'))} CPU devices.") from e
   logging.info("CPU devices: %d; default backend: %s with %d device(s).",
                len(jax.devices("cpu")), jax.default_backend(), jax.device_count())
+
+
+def initialize(num_cpu_devices: int = 0) -> None:
+  """Joins the processes of a multi-process run (if the environment names one) and
+  makes the CPU devices: `num_cpu_devices` in all, split evenly over the processes.
+
+  So the same config gives the same global device set on 1 process x 8 devices
+  and on 2 processes x 4. Processes other than 0 log warnings and errors only.
+
+  Raises:
+    ValueError: the environment's settings are malformed, or `num_cpu_devices`
+      does not split evenly over the processes.
+  """
+  settings = distributed_settings()
+  if settings is None:
+    set_num_cpu_devices(num_cpu_devices)
+    return
+  num = settings.get("num_processes") or 1
+  if num_cpu_devices and num_cpu_devices % num:
+    raise ValueError(f"config.num_cpu_devices={num_cpu_devices} (devices in all) does not "
+                     f"split evenly over {NUM_PROCESSES_ENV}={num} processes.")
+  # Collectives between CPU devices of different processes (no effect on GPU/TPU).
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  if num_cpu_devices:
+    jax.config.update("jax_num_cpu_devices", num_cpu_devices // num)
+  jax.distributed.initialize(**settings)
+  if jax.process_index() > 0:
+    logging.set_verbosity(logging.WARNING)
+  logging.info("Process %d of %d: %d local device(s), %d in all (%s).", jax.process_index(),
+               jax.process_count(), jax.local_device_count(), jax.device_count(),
+               jax.default_backend())
+
+
+def process_label() -> str:
+  """`process i of n` (empty in a one-process run): what errors and logs are tagged with."""
+  if jax.process_count() == 1:
+    return ""
+  return f"process {jax.process_index()} of {jax.process_count()}"
+
+
+@contextlib.contextmanager
+def naming_the_process():
+  """Adds `(in process i of n)` to any exception that leaves the block, on a multi-process run."""
+  try:
+    yield
+  except BaseException as e:
+    label = process_label() if jax.distributed.is_initialized() else ""
+    if label and not isinstance(e, (KeyboardInterrupt, SystemExit)):
+      e.add_note(f"(raised in {label})")
+    raise
+
+
+def is_primary() -> bool:
+  """Whether this process writes the run's logs and files (process 0)."""
+  return jax.process_index() == 0

@@ -32,13 +32,15 @@ class LanguageModelTrainer(Trainer):
 
 
 def synthetic_token_batches(seed: int, batch_size: int, length: int, vocab_size: int,
-                            start_step: int = 0) -> Iterator[dict[str, np.ndarray]]:
+                            start_step: int = 0,
+                            rows: slice = slice(None)) -> Iterator[dict[str, np.ndarray]]:
   """Endless batches of arithmetic sequences mod `vocab_size`; batch s depends on (seed, s) only.
 
   Each sequence starts at a random token and advances by a random stride in
   `[1, vocab_size // 4]`, so the next token is predictable from the context:
   a small model's loss falls well below `log(vocab_size)` within a few hundred
-  steps.
+  steps. `rows` picks a process's rows of each batch
+  (`trainer.strategy.process_slice(batch_size)`).
   """
   step = start_step
   while True:
@@ -46,5 +48,6 @@ def synthetic_token_batches(seed: int, batch_size: int, length: int, vocab_size:
     start = rng.integers(0, vocab_size, size=(batch_size, 1))
     stride = rng.integers(1, max(2, vocab_size // 4 + 1), size=(batch_size, 1))
     tokens = ((start + stride * np.arange(length + 1)) % vocab_size).astype(np.int32)
+    tokens = tokens[rows]
     yield {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
     step += 1

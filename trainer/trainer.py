@@ -160,6 +160,7 @@ class Trainer(abc.ABC):
     """
     self.config = config
     self.strategy = strategy if strategy is not None else create_strategy(config)
+    self.strategy.check_processes()
     self.strategy.check_batch_size(config.batch_size)
     if num_train_steps is None and config.get("num_train_steps", 0) > 0:
       num_train_steps = config.num_train_steps
@@ -460,11 +461,17 @@ class Trainer(abc.ABC):
     if not untraced:
       return
     example = next(iter(eval_batches()), None) if eval_batches is not None else None
-    chunk = self.strategy.put_batch(
-        next(self._eval_chunks(train_batch if example is None else example))[0])
+    if example is None:  # This process's rows of a train batch: the global shapes suffice.
+      count = self.strategy.process_rows()[1]
+      example = jax.tree.map(lambda x: np.concatenate([np.asarray(x)] * count), train_batch)
+    chunk = self._put_eval_chunk(next(self._eval_chunks(example))[0])
     for name in untraced:
       self._compiled_step(name, state).lower(state, chunk)  # jit keeps the trace.
       self._traced.add(name)
+
+  def _put_eval_chunk(self, chunk: Batch) -> PyTree:
+    """A padded global eval chunk on devices, each process putting its own rows."""
+    return self.strategy.put_batch(self.strategy.local_rows(chunk))
 
   def _eval_chunks(self, batch: Batch) -> Iterator[tuple[dict[str, np.ndarray], int]]:
     """`(padded chunk, real examples)` for `eval_batch_size` slices of a host batch."""
@@ -474,11 +481,20 @@ class Trainer(abc.ABC):
       yield pad_batch(part, self._padded_eval_size), min(self.eval_batch_size, n - start)
 
   def _check_train_batch(self, batch: Batch, step: int) -> None:
-    """Raises unless every array of the batch for `step` holds `config.batch_size` examples."""
-    want = self.config.batch_size
+    """Raises unless every array of the batch for `step` holds this process's rows of a
+    `config.batch_size` batch (all of them on one process)."""
+    rows = self.strategy.process_slice(self.config.batch_size)
+    want = rows.stop - rows.start
     for path, x in jax.tree_util.tree_leaves_with_path(batch):
       if not np.ndim(x) or np.shape(x)[0] != want:
         got = f"{np.shape(x)[0]} examples" if np.ndim(x) else "a scalar"
+        if want != self.config.batch_size:
+          raise ValueError(
+              f"the train batch for step {step} holds {got} in {keypath_str(path)!r} (shape "
+              f"{np.shape(x)}), but process {jax.process_index()} of {jax.process_count()} "
+              f"feeds rows {rows.start}:{rows.stop} of each config.batch_size="
+              f"{self.config.batch_size} batch, {want} examples; give each process its "
+              f"rows (trainer.strategy.process_slice(batch_size)), not the whole batch.")
         raise ValueError(
             f"the train batch for step {step} holds {got} in {keypath_str(path)!r} (shape "
             f"{np.shape(x)}) but config.batch_size={want}; every train batch must hold "
@@ -678,7 +694,7 @@ class Trainer(abc.ABC):
     outputs = []
     for batch in batches:
       for chunk, _ in self._eval_chunks(batch):
-        outputs.append(step_fn(state, self.strategy.put_batch(chunk)))
+        outputs.append(step_fn(state, self._put_eval_chunk(chunk)))
         wait_for_previous_call(outputs)
     if not outputs:
       raise ValueError("evaluate() got no eval batches (an empty iterable).")
@@ -692,7 +708,7 @@ class Trainer(abc.ABC):
     step_fn = self._compiled_step("predict", state)
     outputs, sizes = [], []
     for chunk, real in self._eval_chunks(dict(batch)):
-      outputs.append(step_fn(state, self.strategy.put_batch(chunk)))
+      outputs.append(step_fn(state, self._put_eval_chunk(chunk)))
       sizes.append(real)
       wait_for_previous_call(outputs)
     parts = [jax.tree.map(lambda x, n=real: x[:n], self.strategy.outputs_to_host(out))

@@ -1,0 +1,138 @@
+"""The runs that tests train on 2 processes x 4 devices and on 1 process x 8 devices.
+
+Shared by `tests/multiprocess_run.py` (the multi-process side, started by
+`python -m trainer.launch`) and `tests/test_multiprocess.py` (the one-process
+reference). Importing this sets up no devices. Each case is a model written
+the Flax examples' way, a config and a stream of global batches that is a pure
+function of (seed, step); each process takes its rows of every batch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import ml_collections
+import numpy as np
+
+from configs import lm, mnist_ensemble
+
+NUM_STEPS = 4
+SAVE_EVERY = 2
+
+
+def _image_config(**overrides) -> ml_collections.ConfigDict:
+  config = mnist_ensemble.get_config()
+  config.batch_size = 16
+  config.eval_batch_size = 16
+  config.learning_rate = 0.05
+  config.log_every_steps = 1
+  config.eval_every_steps = 0
+  config.checkpoint.every_steps = SAVE_EVERY
+  config.checkpoint.async_save = True
+  config.update_from_flattened_dict(overrides)
+  return config
+
+
+def config_of(case: str) -> ml_collections.ConfigDict:
+  """The config of a case (the strategy is part of it)."""
+  if case == "resnet_dp":  # Linen ResNet, BatchNorm(axis_name='batch'): jit DP on 8 devices.
+    return _image_config(**{"strategy.name": "sharded_data_parallel",
+                            "strategy.mesh_shape": (8,), "strategy.mesh_axes": ("data",),
+                            "strategy.logical_axis_rules": (("batch", "data"),)})
+  if case == "nnx_ensemble":  # NNX BatchNorm + dropout; 4 members x 2 data devices each.
+    config = _image_config(**{"strategy.name": "sharded_ensemble"})
+    config.ensemble_size = 4
+    config.strategy.ensemble_mesh_shape = (4, 2)
+    config.dropout_rate = 0.1
+    return config
+  if case == "lm_fsdp":  # Every weight and its optimizer state sharded over all 8 devices.
+    config = lm.get_config("fsdp")
+    config.model.update(num_layers=2, embed_dim=32, num_heads=8, head_dim=4, mlp_dim=64,
+                        vocab_size=32, max_len=16)
+    config.seq_len = 16
+    config.batch_size = 16
+    config.eval_batch_size = 16
+    config.log_every_steps = 1
+    config.eval_every_steps = 0
+    config.schedule.warmup_steps = 0
+    config.checkpoint.every_steps = SAVE_EVERY
+    return config
+  raise ValueError(f"unknown case {case!r}")
+
+
+CASES = ("resnet_dp", "nnx_ensemble", "lm_fsdp")
+
+
+def trainer_of(case: str, config: ml_collections.ConfigDict | None = None):
+  import user_models
+
+  from trainer import LanguageModelTrainer
+
+  config = config or config_of(case)
+  cls = {"resnet_dp": user_models.ResNetTrainer, "nnx_ensemble": user_models.NnxBatchNormTrainer,
+         "lm_fsdp": LanguageModelTrainer}[case]
+  return cls(config)
+
+
+def global_batch(case: str, step: int, size: int = 16) -> dict[str, np.ndarray]:
+  """Batch `step` of a case's stream, all rows."""
+  rng = np.random.default_rng((7, step))
+  if case == "lm_fsdp":
+    from trainer.language_model import synthetic_token_batches
+    return next(synthetic_token_batches(7, size, 16, 32, step))
+  images = rng.random((size, 28, 28, 1), dtype=np.float32)
+  return {"image": images, "label": rng.integers(0, 10, size).astype(np.int32)}
+
+
+def train_batches(case: str, rows: slice):
+  """`start_step -> batches` of this process's rows."""
+  def batches(start):
+    step = start
+    while True:
+      yield {k: v[rows] for k, v in global_batch(case, step).items()}
+      step += 1
+  return batches
+
+
+def eval_batches(case: str) -> list[dict[str, np.ndarray]]:
+  """Two global eval batches (every process passes all of them)."""
+  return [global_batch(case, 10**6 + i, size=24) for i in range(2)]
+
+
+def run(case: str, workdir: str, num_steps: int = NUM_STEPS, strategy=None, actions=()):
+  """Trains a case with checkpoints and writers in `workdir`; returns (trainer, result)."""
+  from trainer import writers
+  from trainer.checkpoint import Checkpointer
+
+  trainer = trainer_of(case) if strategy is None else type(trainer_of(case))(
+      config_of(case), strategy=strategy)
+  checkpointer = Checkpointer.from_config(trainer.config, workdir)
+  writer = writers.create_writer(workdir)
+  try:
+    result = trainer.fit(
+        train_batches(case, trainer.strategy.process_slice(trainer.config.batch_size)),
+        num_steps=num_steps, checkpointer=checkpointer, writer=writer,
+        eval_batches=lambda: eval_batches(case), actions=actions)
+  finally:
+    checkpointer.close()
+    writer.close()
+  return trainer, result
+
+
+def flat(tree) -> dict[str, np.ndarray]:
+  return {jax.tree_util.keystr(p): np.asarray(x) for p, x in
+          jax.tree_util.tree_leaves_with_path(tree)}
+
+
+def save_result(trainer, result, out_dir: str) -> None:
+  """Process 0 writes the final state (checkpoint layout) and eval; all processes gather."""
+  state = flat(trainer.strategy.to_canonical(result.state))
+  if jax.process_index() == 0:
+    os.makedirs(out_dir, exist_ok=True)
+    np.savez(os.path.join(out_dir, "state.npz"), **state)
+    with open(os.path.join(out_dir, "result.json"), "w") as f:
+      json.dump({"final_eval": result.final_eval, "step": result.step,
+                 "stopped_by": result.stopped_by,
+                 "processes": jax.process_count(), "devices": jax.device_count()}, f)

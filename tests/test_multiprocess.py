@@ -1,0 +1,129 @@
+"""Multi-process runs: 2 real processes x 4 CPU devices (gloo) against 1 process x 8.
+
+One `python -m trainer.launch --num_processes 2` run (module fixture) trains
+every case of `tests/multiprocess_cases.py` (jit data parallel with a Linen
+BatchNorm ResNet, an NNX BatchNorm+dropout ensemble with members spread over
+both processes, the FSDP transformer LM) and resumes a checkpoint that one
+process wrote under `single_device`. The tests compare what it wrote with
+the same runs in this process and restore its checkpoints here, under the
+strategy that wrote them and under another.
+"""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import multiprocess_cases as cases
+import numpy as np
+import pytest
+
+from strategies import PmapEnsemble, ShardedDataParallel, SingleDevice
+from trainer.checkpoint import Checkpointer
+from trainer.writers import JSONL_NAME
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def launch(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+  env = dict(os.environ)
+  env.pop("XLA_FLAGS", None)  # Each process makes its own 4 devices.
+  return subprocess.run([sys.executable, "-m", "trainer.launch", "--num_processes", "2", *args],
+                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory):
+  """Root of the 2-process runs; `resume` started from a 1-process single-device checkpoint."""
+  root = tmp_path_factory.mktemp("two_processes")
+  cases.run("resnet_dp", str(root / "resume"), num_steps=cases.SAVE_EVERY,
+            strategy=SingleDevice())
+  result = launch("tests/multiprocess_run.py", f"--root={root}",
+                  "--cases=" + ",".join(cases.CASES) + ",resnet_dp@resume")
+  assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
+  return root
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+  """The same runs in this process (8 devices), keyed by case: (trainer, result, workdir)."""
+  root = tmp_path_factory.mktemp("one_process")
+  runs = {}
+  for case in cases.CASES:
+    trainer, result = cases.run(case, str(root / case))
+    runs[case] = (trainer, result, root / case)
+  return runs
+
+
+def saved(root: pathlib.Path, case_dir: str):
+  out = root / case_dir / "out"
+  return dict(np.load(out / "state.npz")), json.loads((out / "result.json").read_text())
+
+
+def assert_same_state(got: dict, want: dict, rtol=2e-5, atol=2e-6):
+  assert got.keys() == want.keys()
+  for key in want:
+    np.testing.assert_allclose(got[key], want[key], rtol=rtol, atol=atol, err_msg=key)
+
+
+def train_losses(workdir: pathlib.Path) -> list[tuple[int, float]]:
+  lines = [json.loads(line) for line in (workdir / JSONL_NAME).read_text().splitlines()]
+  return [(r["step"], r["loss"]) for r in lines if r["split"] == "train"]
+
+
+@pytest.mark.parametrize("case", cases.CASES)
+def test_two_processes_equal_one(case, two_processes, one_process):
+  state, meta = saved(two_processes, case)
+  assert (meta["processes"], meta["devices"], meta["step"]) == (2, 8, cases.NUM_STEPS)
+  trainer, result, workdir = one_process[case]
+  assert_same_state(state, cases.flat(trainer.strategy.to_canonical(result.state)))
+  assert meta["final_eval"].keys() == result.final_eval.keys()
+  for name, value in result.final_eval.items():
+    np.testing.assert_allclose(meta["final_eval"][name], value, rtol=1e-5, atol=1e-6,
+                               err_msg=name)
+  # metrics.jsonl: one writer (process 0), the same losses step by step.
+  two, one = train_losses(two_processes / case), train_losses(workdir)
+  assert [s for s, _ in two] == [s for s, _ in one] == list(range(1, cases.NUM_STEPS + 1))
+  np.testing.assert_allclose([v for _, v in two], [v for _, v in one], rtol=1e-5)
+  assert len(list((two_processes / case).glob("events.out.tfevents.*"))) == 1
+
+
+def _restore(case: str, directory: pathlib.Path, strategy=None) -> dict:
+  trainer = cases.trainer_of(case) if strategy is None else type(cases.trainer_of(case))(
+      cases.config_of(case), strategy=strategy)
+  checkpointer = Checkpointer(directory / "checkpoints")
+  try:
+    assert checkpointer.latest_step() == cases.NUM_STEPS
+    state = trainer.restore_checkpoint(checkpointer, cases.global_batch(case, 0))
+  finally:
+    checkpointer.close()
+  return cases.flat(trainer.strategy.to_canonical(state))
+
+
+def _other_strategy(case: str):
+  """A layout other than the one that wrote the case's checkpoint."""
+  if case == "resnet_dp":
+    return SingleDevice()
+  if case == "nnx_ensemble":
+    return PmapEnsemble(num_members=4, devices=jax.devices()[:4])
+  return ShardedDataParallel((2, 4), ("data", "model"), (("batch", "data"),))  # Unsharded LM.
+
+
+@pytest.mark.parametrize("case", cases.CASES)
+def test_two_process_checkpoint_restores_in_one_process(case, two_processes):
+  state, _ = saved(two_processes, case)
+  assert_same_state(_restore(case, two_processes / case), state, rtol=0, atol=0)
+  assert_same_state(_restore(case, two_processes / case, _other_strategy(case)), state,
+                    rtol=0, atol=0)
+
+
+def test_one_process_checkpoint_resumes_on_two_processes(two_processes, one_process):
+  """Written at step 2 by `single_device` in one process, resumed by 2 x 4 jit DP to step 4."""
+  state, meta = saved(two_processes, "resume")
+  assert meta["step"] == cases.NUM_STEPS
+  trainer, result, _ = one_process["resnet_dp"]
+  assert_same_state(state, cases.flat(trainer.strategy.to_canonical(result.state)))
+  steps = [s for s, _ in train_losses(two_processes / "resume")]
+  assert steps == list(range(1, cases.NUM_STEPS + 1))  # 1-2 from one process, 3-4 from two.
