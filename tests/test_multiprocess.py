@@ -127,3 +127,88 @@ def test_one_process_checkpoint_resumes_on_two_processes(two_processes, one_proc
   assert_same_state(state, cases.flat(trainer.strategy.to_canonical(result.state)))
   steps = [s for s, _ in train_losses(two_processes / "resume")]
   assert steps == list(range(1, cases.NUM_STEPS + 1))  # 1-2 from one process, 3-4 from two.
+
+
+# -- Preemption and failures -------------------------------------------------------------------
+
+
+def start(root: pathlib.Path, *args: str) -> subprocess.Popen:
+  env = dict(os.environ)
+  env.pop("XLA_FLAGS", None)
+  return subprocess.Popen(
+      [sys.executable, "-m", "trainer.launch", "--num_processes", "2",
+       "tests/multiprocess_run.py", f"--root={root}", *args],
+      cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def process_pid(launcher: subprocess.Popen, process_id: int) -> int:
+  """The pid of the launcher's child with JAX_PROCESS_ID=process_id."""
+  children = pathlib.Path(f"/proc/{launcher.pid}/task/{launcher.pid}/children").read_text()
+  for pid in map(int, children.split()):
+    environ = pathlib.Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    if f"JAX_PROCESS_ID={process_id}".encode() in environ:
+      return pid
+  raise AssertionError(f"no child with JAX_PROCESS_ID={process_id} in {children!r}")
+
+
+def wait_for_step(workdir: pathlib.Path, launcher: subprocess.Popen, step: int,
+                  timeout: float = 240) -> None:
+  """Waits until metrics.jsonl shows training step `step` (the processes are in the loop)."""
+  import time
+  deadline = time.monotonic() + timeout
+  while time.monotonic() < deadline:
+    assert launcher.poll() is None, launcher.stdout.read()[-5000:]
+    jsonl = workdir / JSONL_NAME
+    if jsonl.exists() and any(s >= step for s, _ in train_losses(workdir)):
+      return
+    time.sleep(0.2)
+  launcher.kill()
+  raise AssertionError(f"no train step {step} within {timeout} s")
+
+
+def test_sigterm_to_one_process_stops_all_at_one_step_with_a_checkpoint(tmp_path):
+  import signal
+  launcher = start(tmp_path, "--cases=lm_fsdp", "--num_steps=400", "--step_seconds=0.05")
+  wait_for_step(tmp_path / "lm_fsdp", launcher, 3)
+  os.kill(process_pid(launcher, 1), signal.SIGTERM)  # Only process 1 is told.
+  output, _ = launcher.communicate(timeout=240)
+  assert launcher.returncode == 0, output[-6000:]
+  stops = [line for line in output.splitlines() if "lm_fsdp: step" in line]
+  assert len(stops) == 2, output[-3000:]
+  steps = {line.split("[process ")[1][0]: line.split("lm_fsdp: ")[1] for line in stops}
+  assert steps["0"] == steps["1"], stops  # Both stopped after the same step ...
+  _, meta = saved(tmp_path, "lm_fsdp")
+  assert meta["stopped_by"] == "SIGTERM" and 3 < meta["step"] < 400
+  assert steps["0"] == f"step {meta['step']}, stopped by SIGTERM"
+  checkpointer = Checkpointer(tmp_path / "lm_fsdp" / "checkpoints")
+  try:
+    assert checkpointer.latest_step() == meta["step"]  # ... and saved it together.
+  finally:
+    checkpointer.close()
+
+
+def test_sigkill_of_one_process_then_restart_resumes_exactly(tmp_path):
+  import signal
+  num_steps = 10
+  launcher = start(tmp_path, "--cases=lm_fsdp", f"--num_steps={num_steps}",
+                   "--step_seconds=0.3")
+  wait_for_step(tmp_path / "lm_fsdp", launcher, cases.SAVE_EVERY + 1)
+  os.kill(process_pid(launcher, 1), signal.SIGKILL)
+  output, _ = launcher.communicate(timeout=120)
+  assert launcher.returncode == 128 + signal.SIGKILL, output[-4000:]
+  assert "process 1 exited with status -9; stopping the other processes" in output
+  assert not (tmp_path / "lm_fsdp" / "out").exists()
+  checkpointer = Checkpointer(tmp_path / "lm_fsdp" / "checkpoints")
+  try:
+    killed_at = checkpointer.latest_step()
+  finally:
+    checkpointer.close()
+  assert killed_at is not None and cases.SAVE_EVERY <= killed_at < num_steps
+
+  result = launch("tests/multiprocess_run.py", f"--root={tmp_path}", "--cases=lm_fsdp",
+                  f"--num_steps={num_steps}")
+  assert result.returncode == 0, result.stdout[-6000:]
+  state, meta = saved(tmp_path, "lm_fsdp")
+  assert meta["step"] == num_steps and meta["stopped_by"] is None
+  trainer, reference = cases.run("lm_fsdp", str(tmp_path / "reference"), num_steps=num_steps)
+  assert_same_state(state, cases.flat(trainer.strategy.to_canonical(reference.state)))

@@ -75,7 +75,7 @@ def launch(script_and_args: list[str], num_processes: int, port: int = 0) -> int
   previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
   status = 0
   try:
-    while any(p.poll() is None for p in procs):
+    while None in [p.poll() for p in procs]:  # A list: every process is polled.
       failed = [(i, p.returncode) for i, p in enumerate(procs)
                 if p.returncode not in (None, 0)]
       if failed:
