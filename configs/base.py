@@ -20,6 +20,9 @@ def get_config() -> ml_collections.ConfigDict:
   # latest checkpoint stays the last finite state); "skip" leaves the update
   # out, counts it (train/skipped_steps) and goes on.
   config.nonfinite = "stop"
+  # Train batches put on the devices ahead of their step (0: each at its step), so that
+  # reading and copying the next batch overlap the running step.
+  config.prefetch_to_device = 1
 
   # Orbax checkpoints in <workdir>/checkpoints (when the entry point has a
   # workdir). A run in a workdir that holds one resumes from the latest.

@@ -45,6 +45,11 @@ def get_config() -> ml_collections.ConfigDict:
   # evaluates on part of a split.
   config.data.train_split = "train"
   config.data.eval_split = "test"
+  # "grain": streamed by Grain from TFDS array_record files, each process reading its
+  # rows (trainer.pipeline); "memory": the splits read into host memory (trainer.data).
+  config.data.pipeline = "grain"
+  config.data.read_threads = 4  # Grain reader threads decoding records ahead of the loop.
+  config.data.prefetch_batches = 8  # Batches the Grain readers keep ready.
   # Directory with the four original IDX .gz files: TFDS then prepares MNIST
   # with no network. Empty: $TFDS_MANUAL_DIR, else TFDS downloads them.
   config.data.manual_dir = os.environ.get("TFDS_MANUAL_DIR", "")

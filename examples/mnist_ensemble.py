@@ -46,7 +46,7 @@ def train_and_evaluate(config, workdir: str) -> dict[str, float] | None:
   decaying learning-rate schedule needs the run's length in steps.
   """
   import models
-  from trainer import ClassificationTrainer, data, writers
+  from trainer import ClassificationTrainer, data, pipeline, writers
   from trainer.checkpoint import Checkpointer
 
   class MNISTTrainer(ClassificationTrainer):
@@ -59,23 +59,39 @@ def train_and_evaluate(config, workdir: str) -> dict[str, float] | None:
         return models.CNN(num_classes=10)
       raise ValueError(f"config.model.name={m.name!r} is not one of ('cnn', 'resnet').")
 
+  d = config.data
+  if d.pipeline not in ("grain", "memory"):
+    raise ValueError(f"config.data.pipeline={d.pipeline!r} is not one of ('grain', 'memory').")
   checkpointer = Checkpointer.from_config(config, workdir)
-  builder = data.prepare(config.data.name, config.data.data_dir, config.data.manual_dir)
-  train = data.load_split(builder, config.data.train_split, field="data.train_split")
-  test = data.load_split(builder, config.data.eval_split, field="data.eval_split")
+  builder = data.prepare(d.name, d.data_dir, d.manual_dir,
+                         file_format="array_record" if d.pipeline == "grain" else None)
+  if d.pipeline == "grain":  # Streamed: nothing is read before the loop asks for it.
+    train = data.data_source(builder, d.train_split, field="data.train_split")
+    test = data.data_source(builder, d.eval_split, field="data.eval_split")
+  else:
+    train = data.load_split(builder, d.train_split, field="data.train_split")
+    test = data.load_split(builder, d.eval_split, field="data.eval_split")
   num_steps = data.num_train_steps(config, len(train))
   trainer = MNISTTrainer(config, num_train_steps=num_steps)
+  rows = trainer.strategy.process_slice(config.batch_size)  # This process's rows.
+  if d.pipeline == "grain":
+    train_batches = pipeline.GrainBatches(
+        train, batch_size=config.batch_size, seed=config.seed,
+        shard=pipeline.shard_options(trainer.strategy.process_rows()),
+        read_threads=d.read_threads, prefetch_batches=d.prefetch_batches)
+    eval_batches = lambda: pipeline.eval_batches(test, config.eval_batch_size)  # noqa: E731
+  else:
+    train_batches = lambda start: data.train_batches(  # noqa: E731
+        train, config.batch_size, config.seed, start, rows=rows)
+    eval_batches = lambda: data.eval_batches(test, config.eval_batch_size)  # noqa: E731
   logging.info("Training %d steps (%d examples per epoch) with %s", num_steps, len(train),
                trainer.strategy.describe())
 
   writer = writers.create_writer(workdir)
   writer.write_hparams(config.to_dict())
   try:
-    result = trainer.fit(
-        lambda start: data.train_batches(train, config.batch_size, config.seed, start,
-                                         rows=trainer.strategy.process_slice(config.batch_size)),
-        num_steps=num_steps, checkpointer=checkpointer, writer=writer, workdir=workdir,
-        eval_batches=lambda: data.eval_batches(test, config.eval_batch_size))
+    result = trainer.fit(train_batches, num_steps=num_steps, checkpointer=checkpointer,
+                         writer=writer, workdir=workdir, eval_batches=eval_batches)
   finally:
     checkpointer.close()
     writer.close()

@@ -74,12 +74,13 @@ class Strategy(abc.ABC):
           f"{replicas} data replicas of strategy {self.name!r}; "
           f"try {max(replicas, global_batch_size - global_batch_size % replicas)}.")
 
-  def check_processes(self) -> None:
+  @classmethod
+  def check_processes(cls) -> None:
     """Raises ValueError on a multi-process run if the strategy sees one process's devices."""
-    if jax.process_count() > 1 and not self.spans_processes:
+    if jax.process_count() > 1 and not cls.spans_processes:
       from strategies.registry import multi_process_strategies
       raise ValueError(
-          f"config.strategy.name={self.name!r} places everything on the devices of one "
+          f"config.strategy.name={cls.name!r} places everything on the devices of one "
           f"process, but this run has {jax.process_count()} processes (jax.distributed); "
           f"use one of {multi_process_strategies()}, whose mesh spans all processes.")
 

@@ -51,4 +51,5 @@ def create_strategy(config: ml_collections.ConfigDict) -> Strategy:
     raise ValueError(
         f"config.strategy.name={name!r} is not a registered strategy; "
         f"choose one of: {', '.join(available())}.")
+  _CLASSES[name].check_processes()  # Before the strategy's own checks of device counts.
   return _FACTORIES[name](config)

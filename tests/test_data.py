@@ -108,6 +108,16 @@ def test_prepare_from_real_files_is_offline(tmp_path):
     data.prepare("mnist", str(tmp_path / "tfds"), str(manual))
 
 
+def test_the_grain_pipeline_refuses_a_dataset_prepared_as_tfrecord(tmp_path):
+  if not MNIST_DIR.is_dir():
+    pytest.skip("real MNIST files not found")
+  builder = data.prepare("mnist", str(tmp_path), str(MNIST_DIR))  # The memory path's format.
+  assert len(data.load_split(builder, "test[:10]")) == 10
+  with pytest.raises(ValueError, match=r"config.data.pipeline='grain' reads 'mnist' prepared "
+                                       r"as array_record, but .* holds it as tfrecord"):
+    data.prepare("mnist", str(tmp_path), str(MNIST_DIR), file_format="array_record")
+
+
 def test_split_slices_and_unknown_splits(real_mnist_run, readme_runner):
   # MNIST as the README's first command prepared it (mock_data ignores slices).
   builder = tfds.builder("mnist", data_dir=str(readme_runner.data_dir))

@@ -59,8 +59,9 @@ def test_real_mnist_ensemble_through_the_entry_point(real_mnist_run, readme_runn
   tags = {v.tag for e in tf.compat.v1.train.summary_iterator(str(events[0]))
           for v in e.summary.value}
   assert {"train/loss", "eval/ensemble_accuracy", "eval/ensemble_ece"} <= tags
-  # TFDS prepared MNIST from the IDX files into the configured data_dir.
-  assert list((readme_runner.data_dir / "mnist").glob("*/mnist-train.tfrecord*"))
+  # TFDS prepared MNIST from the IDX files into the configured data_dir, as the array_record
+  # files that the default pipeline (Grain over tfds.data_source) streams.
+  assert list((readme_runner.data_dir / "mnist").glob("*/mnist-train.array_record*"))
 
 
 @pytest.fixture(scope="module")
@@ -78,11 +79,16 @@ def example():
     ("mnist_sharded", None, SINGLE_KEYS),
     ("mnist_ensemble", "single_device", SINGLE_KEYS),
     ("mnist_ensemble", "sharded_data_parallel", SINGLE_KEYS),
+    ("mnist_ensemble", "sharded_ensemble@memory", ENSEMBLE_KEYS),
 ])
 def test_each_config_trains_on_mock_data(example, tmp_path, config_name, strategy, keys):
+  """`strategy@memory`: the in-memory pipeline instead of the default (Grain)."""
   config = importlib.import_module(f"configs.{config_name}").get_config()
+  strategy, _, pipeline = (strategy or "").partition("@")
   if strategy:
     config.strategy.name = strategy  # The only change needed to switch strategy.
+  config.data.pipeline = pipeline or config.data.pipeline
+  assert config.data.pipeline == (pipeline or "grain")
   config.batch_size = 16
   config.eval_batch_size = 16
   config.num_train_steps = 6

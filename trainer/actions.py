@@ -118,6 +118,9 @@ class Loop:
   result: FitResult | None = None
   #: Seconds spent in evaluations, which throughput figures leave out.
   eval_seconds: float = 0.0
+  #: The data iterator's position after the batch of the last step (checkpointable
+  #: iterators only, e.g. Grain's), saved with each checkpoint.
+  data_state: Any = None
 
   def request_stop(self, reason: str) -> None:
     """Ends the run after this step's actions; `end` then runs (a checkpoint is saved)."""
@@ -491,7 +494,8 @@ class Checkpoint(Action):
   def run(self, loop: Loop) -> None:
     states = {a.name: s for a in loop.actions if (s := a.state_dict()) is not None}
     loop.trainer.save_checkpoint(self.checkpointer, loop.state, loop.step,
-                                 metrics=loop.eval_results, action_states=states)
+                                 metrics=loop.eval_results, action_states=states,
+                                 data_state=loop.data_state)
     self._last = loop.step
 
   def end(self, loop: Loop) -> None:

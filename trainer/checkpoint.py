@@ -177,7 +177,7 @@ class Checkpointer:
 
   def save(self, step: int, state: PyTree, layout: Mapping[str, Any], *,
            metrics: Mapping[str, float] | None = None,
-           action_states: Mapping[str, Any] | None = None) -> None:
+           action_states: Mapping[str, Any] | None = None, data_state: Any = None) -> None:
     """Starts writing `state` (canonical layout, device arrays) as checkpoint `step`.
 
     Returns once the arrays have been copied off the devices; the files are
@@ -186,6 +186,7 @@ class Checkpointer:
     Args:
       metrics: eval results at `step`; kept (and ranked) only with a `best_metric`.
       action_states: the loop actions' JSON state, stored in the layout item.
+      data_state: the train data iterator's JSON state (Grain's `get_state()`).
 
     Raises:
       ValueError: `metrics` lacks `best_metric`.
@@ -200,7 +201,7 @@ class Checkpointer:
       metrics = None
     self.wait()
     layout = {"version": LAYOUT_VERSION, "step": step, **layout,
-              "actions": dict(action_states or {})}
+              "actions": dict(action_states or {}), "data": data_state}
     try:
       self._manager.save(step, args=ocp.args.Composite(**{
           STATE_ITEM: ocp.args.StandardSave(serialization.to_state_dict(state)),
@@ -255,6 +256,10 @@ class Checkpointer:
   def action_states(self, step: int) -> dict[str, Any]:
     """The loop actions' state saved with checkpoint `step` (empty if none)."""
     return dict(self.layout(step).get("actions") or {})
+
+  def data_state(self, step: int) -> Any:
+    """The train data iterator's state saved with checkpoint `step` (None if none)."""
+    return self.layout(step).get("data")
 
   def restore(self, step: int, target: PyTree) -> PyTree:
     """Restores checkpoint `step` into the structure of `target`.

@@ -61,8 +61,17 @@ def check_idx_file(path: str, magic: int, shape: tuple[int, ...]) -> None:
         f"{len(raw)} bytes; expected magic {magic}, dims {shape}, {expected_size} bytes.")
 
 
-def prepare(name: str, data_dir: str | None, manual_dir: str | None):
+#: The file formats TFDS prepares in: tfrecord (read through tf.data) or array_record
+#: (random access through `tfds.data_source`, which `trainer.pipeline` needs).
+FILE_FORMATS = ("tfrecord", "array_record")
+
+
+def prepare(name: str, data_dir: str | None, manual_dir: str | None,
+            file_format: str | None = None):
   """Returns a TFDS builder whose data is prepared, offline if `manual_dir` is set.
+
+  `file_format` None takes the dataset in the format it was prepared in
+  (`load_split` reads both), and prepares a new one as tfrecord.
 
   On a multi-process run process 0 prepares while the others wait, then they
   open what it wrote (`data_dir` must be shared, as a cluster's file system is).
@@ -71,24 +80,50 @@ def prepare(name: str, data_dir: str | None, manual_dir: str | None):
     FileNotFoundError, ValueError: a file in `manual_dir` is missing or corrupt.
     RuntimeError: preparing without `manual_dir` failed (typically: no network).
   """
+  if file_format is not None and file_format not in FILE_FORMATS:
+    raise ValueError(f"file format {file_format!r} is not one of {FILE_FORMATS}.")
   if jax.process_count() == 1:
-    return _prepare(name, data_dir, manual_dir)
+    return _prepare(name, data_dir, manual_dir, file_format)
   from jax.experimental import multihost_utils
-  builder = _prepare(name, data_dir, manual_dir) if jax.process_index() == 0 else None
+  builder = (_prepare(name, data_dir, manual_dir, file_format) if jax.process_index() == 0
+             else None)
   multihost_utils.sync_global_devices(f"tfds prepared {name}")
-  return builder or _prepare(name, data_dir, manual_dir)
+  return builder or _prepare(name, data_dir, manual_dir, file_format)
 
 
-def _prepare(name: str, data_dir: str | None, manual_dir: str | None):
-  builder = tfds.builder(name, data_dir=data_dir or None)
+def _builder(name: str, data_dir: str | None, file_format: str | None):
+  """A TFDS builder that prepares (or finds) `name` in `file_format` (None: any).
+
+  Raises:
+    ValueError: `data_dir` already holds the dataset in the other format.
+  """
+  if file_format is None:
+    return tfds.builder(name, data_dir=data_dir or None)
+  try:
+    return tfds.builder(name, data_dir=data_dir or None, file_format=file_format)
+  except ValueError as e:
+    if "File format is already set" not in str(e):
+      raise
+    other = next(f for f in FILE_FORMATS if f != file_format)
+    pipeline = "grain" if file_format == "array_record" else "memory"
+    raise ValueError(
+        f"config.data.pipeline={pipeline!r} reads {name!r} prepared as {file_format}, but "
+        f"{data_dir or 'the default TFDS data_dir'} holds it as {other}. Set "
+        f"config.data.data_dir (or TFDS_DATA_DIR) to another directory, where it is "
+        f"prepared again, or use config.data.pipeline='memory' (which reads both).") from e
+
+
+def _prepare(name: str, data_dir: str | None, manual_dir: str | None, file_format: str):
+  builder = _builder(name, data_dir, file_format)
   if manual_dir:
     for filename, (magic, shape) in MANUAL_FILES.get(name, {}).items():
       check_idx_file(os.path.join(manual_dir, filename), magic, shape)
     builder.download_and_prepare(
-        download_config=tfds.download.DownloadConfig(manual_dir=manual_dir))
+        download_config=tfds.download.DownloadConfig(manual_dir=manual_dir),
+        **({"file_format": file_format} if file_format else {}))
     return builder
   try:
-    builder.download_and_prepare()
+    builder.download_and_prepare(**({"file_format": file_format} if file_format else {}))
   except Exception as e:  # Network errors surface as many types; the fix is the same.
     files = ", ".join(MANUAL_FILES.get(name, {})) or "the dataset's original files"
     raise RuntimeError(
@@ -118,22 +153,48 @@ def load_split(builder, split: str, chunk: int = 10_000, field: str = "split") -
   """Reads a whole prepared split (or a TFDS slice of one, e.g. `train[:10%]`) into memory.
 
   Reads in chunks rather than with `batch_size=-1`, which aborts TensorFlow on
-  datasets of unknown cardinality (such as `tfds.testing.mock_data`'s).
+  datasets of unknown cardinality (such as `tfds.testing.mock_data`'s). A
+  dataset prepared as array_record is read through its data source.
 
   Raises:
     ValueError: `split` names no split of the dataset, or is not a valid slice;
       the message names the config `field` it came from.
   """
-  try:
-    dataset = builder.as_dataset(split=split, batch_size=chunk)
-  except (ValueError, KeyError, AssertionError) as e:
-    raise ValueError(
-        f"config.{field}={split!r} is not a split of {builder.info.name!r} (its splits: "
-        f"{', '.join(sorted(builder.info.splits))}; a TFDS slice such as "
-        f"'train[:10%]' or 'test[:1000]' also works): {e}") from e
-  chunks = list(tfds.as_numpy(dataset))
+  if str(builder.info.file_format) == str(tfds.core.FileFormat.ARRAY_RECORD):
+    source = data_source(builder, split, field)
+    chunks = [_stack(source.__getitems__(list(range(i, min(i + chunk, len(source))))))
+              for i in range(0, len(source), chunk)]
+  else:
+    try:
+      chunks = list(tfds.as_numpy(builder.as_dataset(split=split, batch_size=chunk)))
+    except (ValueError, KeyError, AssertionError) as e:
+      raise _split_error(builder, split, field, e) from e
   return Split(images=np.concatenate([c["image"] for c in chunks]).astype(np.uint8),
                labels=np.concatenate([c["label"] for c in chunks]).astype(np.int32))
+
+
+def _stack(records: list[dict]) -> dict[str, np.ndarray]:
+  return {k: np.stack([r[k] for r in records]) for k in records[0]}
+
+
+def _split_error(builder, split: str, field: str, e: Exception) -> ValueError:
+  return ValueError(
+      f"config.{field}={split!r} is not a split of {builder.info.name!r} (its splits: "
+      f"{', '.join(sorted(builder.info.splits))}; a TFDS slice such as "
+      f"'train[:10%]' or 'test[:1000]' also works): {e}")
+
+
+def data_source(builder, split: str, field: str = "split"):
+  """The random-access TFDS data source of a split of an array_record-prepared builder.
+
+  Raises:
+    ValueError: `split` names no split of the dataset (the message names the
+      config `field` it came from).
+  """
+  try:
+    return builder.as_data_source(split=split)
+  except (ValueError, KeyError, AssertionError) as e:
+    raise _split_error(builder, split, field, e) from e
 
 
 def train_batches(split: Split, batch_size: int, seed: int, start_step: int = 0,

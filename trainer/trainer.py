@@ -14,6 +14,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import functools
+import itertools
 import logging
 import re
 import zlib
@@ -38,6 +39,7 @@ from trainer import model_variables
 from trainer.accumulation import Accumulation
 from trainer.actions import Action, FitResult, Loop
 from trainer.checkpoint import Checkpointer, CheckpointError
+from trainer.feed import DeviceFeed, is_checkpointable
 from trainer.optim import create_optimizer, create_schedule
 from trainer.precision import Precision
 from trainer.train_state import EmaTrainState, TrainState
@@ -181,6 +183,10 @@ class Trainer(abc.ABC):
     # masked) up to the next multiple of the data replicas: one compiled shape.
     replicas = self.strategy.num_data_replicas
     self._padded_eval_size = -(-self.eval_batch_size // replicas) * replicas
+    self.prefetch = config.get("prefetch_to_device", 1)
+    if not isinstance(self.prefetch, int) or self.prefetch < 0:
+      raise ValueError(f"config.prefetch_to_device={self.prefetch!r} must be an integer >= 0: "
+                       f"how many train batches are put on the devices ahead of their step.")
     self.nonfinite = config.get("nonfinite", "stop")
     if self.nonfinite not in NONFINITE_ACTIONS:
       raise ValueError(f"config.nonfinite={self.nonfinite!r} is not one of "
@@ -563,8 +569,16 @@ class Trainer(abc.ABC):
           f"where the checkpoint left it.")
     else:
       batches = iter(train_batches)
+    checkpointable = is_checkpointable(batches)
+    if resume_step and checkpointable:
+      data_state = checkpointer.data_state(resume_step)
+      if data_state is not None:  # Else the iterator's own start (a checkpoint without one).
+        batches.set_state(data_state)
     batch = next(batches)
     self._check_train_batch(batch, start)
+    feed = DeviceFeed(itertools.chain([batch], batches), start, check=self._check_train_batch,
+                      put=self.strategy.put_batch, ahead=self.prefetch, stop_step=num_steps,
+                      state_of=batches.get_state if checkpointable else None)
     if state is None:
       state = (self.restore_checkpoint(checkpointer, batch, step=resume_step)
                if resume_step else self.init_state(batch))
@@ -586,12 +600,11 @@ class Trainer(abc.ABC):
     loop.result = FitResult(state=state, step=start)
     with self._waiting_for_saves(checkpointer), loop.running():
       while loop.step < num_steps and loop.stop_reason is None:
-        loop.state, loop.outputs = step_fn(loop.state, self.strategy.put_batch(batch))
+        placed, loop.data_state = feed.next()
+        loop.state, loop.outputs = step_fn(loop.state, placed)
         loop.step += 1
+        feed.fill()  # The next batches are read and placed while this step runs.
         loop.run_step_actions()
-        if loop.step < num_steps and loop.stop_reason is None:
-          batch = next(batches)
-          self._check_train_batch(batch, loop.step)
     writer.flush()
     loop.result.state, loop.result.step = loop.state, loop.step
     loop.result.stopped_by = loop.stop_reason
@@ -621,15 +634,17 @@ class Trainer(abc.ABC):
 
   def save_checkpoint(self, checkpointer: Checkpointer, state: TrainState, step: int, *,
                       metrics: Mapping[str, float] | None = None,
-                      action_states: Mapping[str, Any] | None = None) -> None:
+                      action_states: Mapping[str, Any] | None = None,
+                      data_state: Any = None) -> None:
     """Starts an asynchronous save of `state` as checkpoint `step`.
 
     Args:
       metrics: eval results at `step`, which orbax ranks best checkpoints by.
       action_states: the loop's actions' JSON state, restored on resume.
+      data_state: the train data iterator's position after step `step - 1`'s batch.
     """
     checkpointer.save(step, self.strategy.checkpoint_state(state), self.checkpoint_layout(),
-                      metrics=metrics, action_states=action_states)
+                      metrics=metrics, action_states=action_states, data_state=data_state)
 
   def restore_checkpoint(self, checkpointer: Checkpointer, example_batch: Batch, *,
                          step: int | None = None, member: int | None = None) -> TrainState:

@@ -1,0 +1,94 @@
+"""Train batches on their way to the devices: checked, placed ahead of the step, positioned.
+
+`DeviceFeed` pulls host batches from the data iterator, checks each, and
+hands it to the strategy's `put_batch` `ahead` steps before the step that
+consumes it, so that reading and copying a batch overlap the step before it
+(dispatch is asynchronous: the host is free while a step runs). A batch that
+fails its check raises when its step comes, not earlier, so the steps
+before it run and save as they would have.
+
+A data iterator with `get_state()` / `set_state()` (a Grain iterator, see
+`trainer.pipeline`) is checkpointable: the feed records its state right after
+each batch is read, so the state saved with checkpoint `s` is the iterator's
+position after the batch of step `s - 1`, however far the feed has read ahead.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable, Iterator
+from typing import Any
+
+PyTree = Any
+
+
+def is_checkpointable(iterator: Any) -> bool:
+  """Whether a data iterator can save and restore its position (Grain's can)."""
+  return callable(getattr(iterator, "get_state", None)) and callable(
+      getattr(iterator, "set_state", None))
+
+
+class DeviceFeed:
+  """Placed batches for steps `start, start + 1, ...`, each put `ahead` steps early.
+
+  Args:
+    batches: host batches; the first is the batch for step `start`.
+    start: the step of the first batch.
+    check: `(host batch, step) -> None`, raises for a batch that cannot run.
+    put: `host batch -> placed batch` (the strategy's `put_batch`).
+    ahead: how many batches beyond the one being consumed are placed (0: none).
+    stop_step: no batch is read for this step or later ones.
+    state_of: the data iterator's `get_state`, when it has one.
+  """
+
+  def __init__(self, batches: Iterator[PyTree], start: int, *,
+               check: Callable[[PyTree, int], None], put: Callable[[PyTree], PyTree],
+               ahead: int = 1, stop_step: int | None = None,
+               state_of: Callable[[], Any] | None = None):
+    self._batches = batches
+    self._step = start
+    self._stop_step = stop_step
+    self._check, self._put, self._ahead, self._state_of = check, put, ahead, state_of
+    self._queue: collections.deque = collections.deque()
+    self._exhausted = False
+
+  def _read_one(self) -> None:
+    if self._exhausted or (self._stop_step is not None and self._step >= self._stop_step):
+      return
+    try:
+      batch = next(self._batches)
+    except StopIteration:
+      self._exhausted = True
+      return
+    state = self._state_of() if self._state_of else None
+    try:
+      self._check(batch, self._step)
+      entry = (self._put(batch), state, None)
+    except Exception as e:  # Raised when its step comes.
+      entry = (None, state, e)
+    self._queue.append(entry)
+    self._step += 1
+
+  def fill(self) -> None:
+    """Reads and places batches until `ahead` are waiting (or the run's last is)."""
+    while len(self._queue) < self._ahead:
+      before = self._step
+      self._read_one()
+      if self._step == before:  # Nothing left to read.
+        return
+
+  def next(self) -> tuple[PyTree, Any]:
+    """`(placed batch, data state after it)` for the next step.
+
+    Raises:
+      StopIteration: the data ran out.
+      Exception: the batch's check failed (or placing it did).
+    """
+    if not self._queue:
+      self._read_one()
+    if not self._queue:
+      raise StopIteration
+    placed, state, error = self._queue.popleft()
+    if error is not None:
+      raise error
+    return placed, state
