@@ -187,6 +187,23 @@ def test_sigterm_to_one_process_stops_all_at_one_step_with_a_checkpoint(tmp_path
     checkpointer.close()
 
 
+def run_as_slurm_tasks(root: pathlib.Path, *args: str) -> list[str]:
+  """Runs tests/multiprocess_run.py as the 2 tasks of a SLURM job step on this machine."""
+  from trainer.launch import free_port
+  port, procs = str(free_port()), []
+  for task in range(2):
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env.update(SLURM_JOB_ID="4242", SLURM_STEP_NODELIST="localhost", SLURM_NTASKS="2",
+               SLURM_PROCID=str(task), SLURM_LOCALID=str(task), SLURM_STEP_NUM_NODES="1",
+               JAX_COORDINATOR_PORT=port, TRAINER_DISTRIBUTED="auto")
+    procs.append(subprocess.Popen(
+        [sys.executable, "tests/multiprocess_run.py", f"--root={root}", *args], cwd=ROOT,
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+  outputs = [p.communicate(timeout=240)[0] for p in procs]
+  assert [p.returncode for p in procs] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
+  return outputs
+
+
 def test_sigkill_of_one_process_then_restart_resumes_exactly(tmp_path):
   import signal
   num_steps = 10
@@ -205,10 +222,12 @@ def test_sigkill_of_one_process_then_restart_resumes_exactly(tmp_path):
     checkpointer.close()
   assert killed_at is not None and cases.SAVE_EVERY <= killed_at < num_steps
 
-  result = launch("tests/multiprocess_run.py", f"--root={tmp_path}", "--cases=lm_fsdp",
-                  f"--num_steps={num_steps}")
-  assert result.returncode == 0, result.stdout[-6000:]
+  # The restart is a SLURM job step: no launcher, `TRAINER_DISTRIBUTED=auto`, and the
+  # variables `srun` gives each task, from which jax.distributed finds the rest itself.
+  outputs = run_as_slurm_tasks(tmp_path, "--cases=lm_fsdp", f"--num_steps={num_steps}")
   state, meta = saved(tmp_path, "lm_fsdp")
+  assert meta["processes"] == 2, outputs
   assert meta["step"] == num_steps and meta["stopped_by"] is None
   trainer, reference = cases.run("lm_fsdp", str(tmp_path / "reference"), num_steps=num_steps)
   assert_same_state(state, cases.flat(trainer.strategy.to_canonical(reference.state)))
+

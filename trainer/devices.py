@@ -104,15 +104,17 @@ def initialize(num_cpu_devices: int = 0) -> None:
   if settings is None:
     set_num_cpu_devices(num_cpu_devices)
     return
-  num = settings.get("num_processes") or 1
-  if num_cpu_devices and num_cpu_devices % num:
-    raise ValueError(f"config.num_cpu_devices={num_cpu_devices} (devices in all) does not "
-                     f"split evenly over {NUM_PROCESSES_ENV}={num} processes.")
   # Collectives between CPU devices of different processes (no effect on GPU/TPU).
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  jax.distributed.initialize(**settings)
+  # The process count is known now (a cluster's too); jax's backends start after this.
+  from jax._src import distributed as jax_distributed
+  num = jax_distributed.global_state.num_processes or settings.get("num_processes", 1)
+  if num_cpu_devices and num_cpu_devices % num:
+    raise ValueError(f"config.num_cpu_devices={num_cpu_devices} (devices in all) does not "
+                     f"split evenly over the run's {num} processes.")
   if num_cpu_devices:
     jax.config.update("jax_num_cpu_devices", num_cpu_devices // num)
-  jax.distributed.initialize(**settings)
   if jax.process_index() > 0:
     logging.set_verbosity(logging.WARNING)
   logging.info("Process %d of %d: %d local device(s), %d in all (%s).", jax.process_index(),
