@@ -145,3 +145,24 @@ def real_mnist_run(readme_runner) -> RealMnistRun:
       saved.write_text(json.dumps({"args": result.args, "returncode": result.returncode,
                                    "stdout": result.stdout, "stderr": result.stderr}))
   return RealMnistRun(command, result, workdir)
+
+
+# -- Order: the longest files first ------------------------------------------------------------
+
+#: Files that take minutes, longest first. `pytest -n 2 --dist loadfile` hands whole files to
+#: the workers in collection order, so starting with these keeps both workers busy to the end
+#: (the README's MNIST commands first: their worker runs the real-MNIST fixture while the other
+#: runs the rest of the README).
+LONGEST_FIRST = ("test_readme_mnist.py", "test_readme.py", "test_multiprocess.py",
+                 "test_research_models.py", "test_ensemble.py", "test_recipe.py",
+                 "test_checkpoint.py", "test_equivalence.py")
+
+
+def pytest_collection_modifyitems(config, items):
+  del config
+
+  def rank(item):
+    name = item.path.name
+    return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
+
+  items.sort(key=rank)  # Stable: each file keeps its own order.

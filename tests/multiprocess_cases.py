@@ -15,8 +15,9 @@ import os
 import jax
 import ml_collections
 import numpy as np
+from small_configs import tiny_lm_config
 
-from configs import lm, mnist_ensemble
+from configs import mnist_ensemble
 
 NUM_STEPS = 4
 SAVE_EVERY = 2
@@ -48,12 +49,7 @@ def config_of(case: str) -> ml_collections.ConfigDict:
     config.dropout_rate = 0.1
     return config
   if case == "lm_fsdp":  # Every weight and its optimizer state sharded over all 8 devices.
-    config = lm.get_config("fsdp")
-    config.model.update(num_layers=2, embed_dim=32, num_heads=8, head_dim=4, mlp_dim=64,
-                        vocab_size=32, max_len=16)
-    config.seq_len = 16
-    config.batch_size = 16
-    config.eval_batch_size = 16
+    config = tiny_lm_config("fsdp")
     config.log_every_steps = 1
     config.eval_every_steps = 0
     config.schedule.warmup_steps = 0

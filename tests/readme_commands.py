@@ -46,7 +46,7 @@ FEW_STEPS = {
                                   "--workloads", "lm", "--variants", "bf16", "--devices", "2",
                                   "--lm-batch", "16", "--lm-seq", "16"],
     "benchmarks/multiprocess_step_time.py": ["--steps", "1", "--warmup", "1", "--rounds", "1",
-                                             "--batch", "16", "--workloads", "cnn_ensemble"],
+                                             "--batch", "16", "--workloads", "cnn_dp"],
 }
 
 #: What a script's standard output shows when it did its job.
@@ -58,7 +58,7 @@ EXPECTED_OUTPUT = {
     "benchmarks/loop_overhead.py": r"sharded_ensemble\s+\d\.\d{4}\s+\d\.\d{4}\s+\d\.\d{3}x",
     "benchmarks/batch_axis_overhead.py": r"pmap_ensemble\s+\d\.\d{4}\s+\d\.\d{4}\s+\d\.\d{3}x",
     "benchmarks/recipe_cost.py": r"Transformer LM .* bf16\s+\d\.\d{4}\s+\d\.\d{3}x",
-    "benchmarks/multiprocess_step_time.py": r"cnn_ensemble\s+\d\.\d{4}\s+\d\.\d{4}\s+\d\.\d{3}x",
+    "benchmarks/multiprocess_step_time.py": r"cnn_dp\s+\d\.\d{4}\s+\d\.\d{4}\s+\d\.\d{3}x",
 }
 
 

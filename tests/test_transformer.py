@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from conftest import CNNTrainer, cnn_config, image_batches
 from jax.sharding import PartitionSpec
+from small_configs import tiny_lm_config
 
 from configs import lm
 from strategies.summary import bytes_per_device, total_bytes
@@ -18,16 +19,7 @@ STEPS = 4
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
 
 
-def _config(layout="data_parallel", **overrides):
-  config = lm.get_config(layout)
-  config.model.update(num_layers=2, embed_dim=32, num_heads=8, head_dim=4, mlp_dim=64,
-                      vocab_size=32, max_len=16)
-  config.seq_len = 16
-  config.batch_size = 16
-  config.eval_batch_size = 16
-  config.log_every_steps = 1000
-  config.update_from_flattened_dict(overrides)
-  return config
+_config = tiny_lm_config
 
 
 def _batches(config, num=STEPS + 1):

@@ -530,7 +530,11 @@ class Trainer(abc.ABC):
     Args:
       train_batches: `start_step -> iterable of host batches`, where batch i is
         the batch for step `start_step + i` (needed to resume), or an iterable
-        consumed one batch per step from the state's current step.
+        consumed one batch per step from the state's current step. Each batch
+        holds this process's rows (`strategy.process_slice(batch_size)`: all
+        of them on one process). An iterator with `get_state`/`set_state`
+        (Grain's) has its position saved with each checkpoint and restored
+        on resume.
       num_steps: the step to stop at.
       state: the state to continue from; else restored from `checkpointer`,
         else created from `config.seed`.
