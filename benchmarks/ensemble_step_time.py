@@ -30,6 +30,8 @@ def main():
   parser.add_argument("--batch", type=int, default=128)
   parser.add_argument("--repeats", type=int, default=2,
                       help="timed rounds per setup, interleaved; the best is kept")
+  parser.add_argument("--groups", default="8on8,4on1",
+                      help="which comparisons: 8on8 (8 members on 8 devices), 4on1 (4 on one)")
   args = parser.parse_args()
 
   from trainer.devices import set_num_cpu_devices
@@ -72,32 +74,33 @@ def main():
     s["state"] = state
     s["best"] = min(s["best"], (time.perf_counter() - start) / args.steps)
 
-  setups = {
-      "pmap_ensemble 8 on 8": setup("pmap_ensemble", 8),
-      "sharded_ensemble 8 on 8 (map)": setup("sharded_ensemble", 8, ensemble_loop="map"),
-      "sharded_ensemble 8 on 8 (vmap)": setup("sharded_ensemble", 8, ensemble_loop="vmap"),
-      "sharded_ensemble 8 on 8 (unroll)": setup("sharded_ensemble", 8, ensemble_loop="unroll"),
-      "single_device 1 model": setup("single_device", 1),
-      "sharded_ensemble 4 on 1 (map)": setup("sharded_ensemble", 4, ensemble_mesh_shape=(1, 1),
-                                             ensemble_loop="map"),
-      "sharded_ensemble 4 on 1 (vmap)": setup("sharded_ensemble", 4, ensemble_mesh_shape=(1, 1),
-                                              ensemble_loop="vmap"),
-      "sharded_ensemble 4 on 1 (unroll)": setup("sharded_ensemble", 4,
-                                                ensemble_mesh_shape=(1, 1),
-                                                ensemble_loop="unroll"),
-  }
+  groups = args.groups.split(",")
+  setups = {}
+  if "8on8" in groups:
+    setups["pmap_ensemble 8 on 8"] = setup("pmap_ensemble", 8)
+    for loop in ("map", "vmap", "unroll"):
+      setups[f"sharded_ensemble 8 on 8 ({loop})"] = setup("sharded_ensemble", 8,
+                                                         ensemble_loop=loop)
+  if "4on1" in groups:
+    setups["single_device 1 model"] = setup("single_device", 1)
+    for loop in ("map", "vmap", "unroll"):
+      setups[f"sharded_ensemble 4 on 1 ({loop})"] = setup(
+          "sharded_ensemble", 4, ensemble_mesh_shape=(1, 1), ensemble_loop=loop)
   for _ in range(args.repeats):  # Interleaved, so drifts in machine load hit every setup.
     for s in setups.values():
       time_once(s)
 
   t = {name: s["best"] for name, s in setups.items()}
-  pmap, single = t["pmap_ensemble 8 on 8"], t["single_device 1 model"]
   print(f"\n{'setup':34s} {'s/step':>8s}  baseline")
-  for name in list(t)[:4]:
-    print(f"{name:34s} {t[name]:8.4f}  {t[name] / pmap:5.2f}x pmap_ensemble 8 on 8")
-  print(f"{'4 x single_device (1 model each)':34s} {4 * single:8.4f}  1.00x")
-  for name in list(t)[5:]:
-    print(f"{name:34s} {t[name]:8.4f}  {t[name] / (4 * single):5.2f}x 4 single-model steps")
+  if "8on8" in groups:
+    pmap = t["pmap_ensemble 8 on 8"]
+    for name in [n for n in t if " 8 on 8" in n]:
+      print(f"{name:34s} {t[name]:8.4f}  {t[name] / pmap:5.2f}x pmap_ensemble 8 on 8")
+  if "4on1" in groups:
+    single = t["single_device 1 model"]
+    print(f"{'4 x single_device (1 model each)':34s} {4 * single:8.4f}  1.00x")
+    for name in [n for n in t if " 4 on 1" in n]:
+      print(f"{name:34s} {t[name]:8.4f}  {t[name] / (4 * single):5.2f}x 4 single-model steps")
 
 
 if __name__ == "__main__":

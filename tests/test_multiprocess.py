@@ -206,9 +206,9 @@ def run_as_slurm_tasks(root: pathlib.Path, *args: str) -> list[str]:
 
 def test_sigkill_of_one_process_then_restart_resumes_exactly(tmp_path):
   import signal
-  num_steps = 10
+  num_steps = 8
   launcher = start(tmp_path, "--cases=lm_fsdp", f"--num_steps={num_steps}",
-                   "--step_seconds=0.3")
+                   "--step_seconds=0.25")
   wait_for_step(tmp_path / "lm_fsdp", launcher, cases.SAVE_EVERY + 1)
   os.kill(process_pid(launcher, 1), signal.SIGKILL)
   output, _ = launcher.communicate(timeout=120)

@@ -104,19 +104,21 @@ def initialize(num_cpu_devices: int = 0) -> None:
   if settings is None:
     set_num_cpu_devices(num_cpu_devices)
     return
+  if settings.get("process_id"):  # Quiet from the start; a cluster's id is known below.
+    logging.set_verbosity(logging.WARNING)
   # Collectives between CPU devices of different processes (no effect on GPU/TPU).
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
   jax.distributed.initialize(**settings)
-  # The process count is known now (a cluster's too); jax's backends start after this.
+  # The process id and count are known now (a cluster's too), before jax's backends start.
   from jax._src import distributed as jax_distributed
+  if jax_distributed.global_state.process_id:
+    logging.set_verbosity(logging.WARNING)
   num = jax_distributed.global_state.num_processes or settings.get("num_processes", 1)
   if num_cpu_devices and num_cpu_devices % num:
     raise ValueError(f"config.num_cpu_devices={num_cpu_devices} (devices in all) does not "
                      f"split evenly over the run's {num} processes.")
   if num_cpu_devices:
     jax.config.update("jax_num_cpu_devices", num_cpu_devices // num)
-  if jax.process_index() > 0:
-    logging.set_verbosity(logging.WARNING)
   logging.info("Process %d of %d: %d local device(s), %d in all (%s).", jax.process_index(),
                jax.process_count(), jax.local_device_count(), jax.device_count(),
                jax.default_backend())
