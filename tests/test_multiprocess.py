@@ -231,3 +231,61 @@ def test_sigkill_of_one_process_then_restart_resumes_exactly(tmp_path, one_proce
   trainer, reference, _ = one_process["lm_fsdp"]  # The same run, uninterrupted, in 1 process.
   assert_same_state(state, cases.flat(trainer.strategy.to_canonical(reference.state)))
 
+
+
+# -- Settings and errors, in this process ----------------------------------------------------
+
+
+@pytest.mark.parametrize("env,message", [
+    ({"JAX_PROCESS_ID": "0"}, r"JAX_PROCESS_ID is set but JAX_NUM_PROCESSES is not"),
+    ({"JAX_NUM_PROCESSES": "two", "JAX_PROCESS_ID": "0"}, r"JAX_NUM_PROCESSES='two' must be an"),
+    ({"JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "2"}, r"JAX_PROCESS_ID=2 must be set to an "
+                                                         r"integer in \[0, 2\)"),
+    ({"JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "1"}, r"JAX_COORDINATOR_ADDRESS \(host:port "
+                                                         r"of process 0\) must be set"),
+    ({"TRAINER_DISTRIBUTED": "yes"}, r"TRAINER_DISTRIBUTED='yes' must be 'auto'"),
+])
+def test_malformed_distributed_settings_name_the_variable(monkeypatch, env, message):
+  from trainer import devices
+  for name in ("JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "JAX_COORDINATOR_ADDRESS",
+               "TRAINER_DISTRIBUTED"):
+    monkeypatch.delenv(name, raising=False)
+  for name, value in env.items():
+    monkeypatch.setenv(name, value)
+  with pytest.raises(ValueError, match=message):
+    devices.distributed_settings()
+
+
+def test_the_environment_names_the_run(monkeypatch):
+  from trainer import devices
+  for name in ("JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "JAX_COORDINATOR_ADDRESS",
+               "TRAINER_DISTRIBUTED"):
+    monkeypatch.delenv(name, raising=False)
+  assert devices.distributed_settings() is None
+  monkeypatch.setenv("TRAINER_DISTRIBUTED", "auto")
+  assert devices.distributed_settings() == {}  # jax.distributed.initialize() detects the rest.
+  monkeypatch.delenv("TRAINER_DISTRIBUTED")
+  monkeypatch.setenv("JAX_NUM_PROCESSES", "2")
+  monkeypatch.setenv("JAX_PROCESS_ID", "1")
+  monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "host0:1234")
+  assert devices.distributed_settings() == dict(coordinator_address="host0:1234",
+                                                num_processes=2, process_id=1)
+
+
+def test_one_process_strategies_are_refused_on_several_and_errors_name_the_process(monkeypatch):
+  from strategies import create_strategy
+  from trainer import devices
+  monkeypatch.setattr(jax, "process_count", lambda: 2)
+  monkeypatch.setattr(jax, "process_index", lambda: 1)
+  config = cases.config_of("resnet_dp")
+  for name in ("single_device", "pmap_data_parallel", "pmap_ensemble"):
+    config.strategy.name = name
+    with pytest.raises(ValueError, match=rf"config.strategy.name='{name}' places everything on "
+                                         r"the devices of one process, but this run has 2 "
+                                         r"processes .* use one of \['sharded_data_parallel', "
+                                         r"'sharded_ensemble'\]"):
+      create_strategy(config)
+  monkeypatch.setattr(jax.distributed, "is_initialized", lambda: True)
+  with pytest.raises(ValueError) as error, devices.naming_the_process():
+    raise ValueError("a bad batch")
+  assert error.value.__notes__ == ["(raised in process 1 of 2)"]
