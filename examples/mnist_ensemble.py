@@ -73,7 +73,6 @@ def train_and_evaluate(config, workdir: str) -> dict[str, float] | None:
     test = data.load_split(builder, d.eval_split, field="data.eval_split")
   num_steps = data.num_train_steps(config, len(train))
   trainer = MNISTTrainer(config, num_train_steps=num_steps)
-  rows = trainer.strategy.process_slice(config.batch_size)  # This process's rows.
   if d.pipeline == "grain":
     train_batches = pipeline.GrainBatches(
         train, batch_size=config.batch_size, seed=config.seed,
@@ -81,6 +80,7 @@ def train_and_evaluate(config, workdir: str) -> dict[str, float] | None:
         read_threads=d.read_threads, prefetch_batches=d.prefetch_batches)
     eval_batches = lambda: pipeline.eval_batches(test, config.eval_batch_size)  # noqa: E731
   else:
+    rows = trainer.strategy.process_slice(config.batch_size)  # This process's rows.
     train_batches = lambda start: data.train_batches(  # noqa: E731
         train, config.batch_size, config.seed, start, rows=rows)
     eval_batches = lambda: data.eval_batches(test, config.eval_batch_size)  # noqa: E731

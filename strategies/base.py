@@ -321,6 +321,28 @@ def to_host(tree: PyTree) -> PyTree:
                       if spans_processes(x) else jax.device_get(x), tree)
 
 
+class GlobalMeshBatch:
+  """Mixin for jit strategies whose batch is one global array laid out by `_batch_sharding`.
+
+  Each process puts its own rows; which rows those are depends only on the
+  sharding, so it is worked out once, not per batch.
+  """
+
+  _batch_sharding: jax.sharding.Sharding
+
+  @functools.cached_property
+  def _process_rows(self) -> tuple[int, int]:
+    return process_rows_of(self._batch_sharding, self.num_data_replicas)
+
+  def process_rows(self) -> tuple[int, int]:
+    return self._process_rows
+
+  def put_batch(self, batch: PyTree) -> PyTree:
+    count = self._process_rows[1]
+    return jax.tree.map(lambda x: jax.make_array_from_process_local_data(
+        self._batch_sharding, x, (np.shape(x)[0] * count,) + np.shape(x)[1:]), batch)
+
+
 def process_rows_of(sharding: jax.sharding.Sharding, num_replicas: int) -> tuple[int, int]:
   """`Strategy.process_rows` for a batch laid out by `sharding` over `num_replicas` parts.
 

@@ -16,10 +16,9 @@ from collections.abc import Sequence
 import flax.linen as nn
 import jax
 import ml_collections
-import numpy as np
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
-from strategies.base import InitFn, PyTree, StepFn, Strategy, keypath_str, process_rows_of
+from strategies.base import GlobalMeshBatch, InitFn, PyTree, StepFn, Strategy, keypath_str
 from strategies.registry import register
 
 LogicalRules = tuple[tuple[str, str | tuple[str, ...] | None], ...]
@@ -140,7 +139,7 @@ def warn_if_no_parameter_is_sharded(logical_specs: PyTree, rules: LogicalRules) 
 
 
 @register("sharded_data_parallel")
-class ShardedDataParallel(Strategy):
+class ShardedDataParallel(GlobalMeshBatch, Strategy):
   """`jit` with in/out shardings over a mesh built from the config.
 
   The mesh uses `Auto` axis types: Flax's `with_logical_constraint` becomes a
@@ -208,14 +207,6 @@ class ShardedDataParallel(Strategy):
       return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
 
     return jax.tree.map(constrain, tree)
-
-  def process_rows(self) -> tuple[int, int]:
-    return process_rows_of(self._batch_sharding, self.num_data_replicas)
-
-  def put_batch(self, batch: PyTree) -> PyTree:
-    count = self.process_rows()[1]
-    return jax.tree.map(lambda x: jax.make_array_from_process_local_data(
-        self._batch_sharding, x, (np.shape(x)[0] * count,) + np.shape(x)[1:]), batch)
 
   def _compile(self, fn: StepFn, **jit_kwargs) -> StepFn:
     jitted = jax.jit(fn, **jit_kwargs)

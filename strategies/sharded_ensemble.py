@@ -22,6 +22,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from strategies.base import (
     BATCH_AXIS,
+    GlobalMeshBatch,
     InitFn,
     PyTree,
     StepFn,
@@ -30,7 +31,6 @@ from strategies.base import (
     first_along_leading_axis,
     member_rng,
     merge_along_leading_axis,
-    process_rows_of,
 )
 from strategies.registry import register
 
@@ -53,7 +53,7 @@ def default_loop(platform: str) -> str:
 
 
 @register("sharded_ensemble")
-class ShardedEnsemble(Strategy):
+class ShardedEnsemble(GlobalMeshBatch, Strategy):
   """Member i is initialised from `member_rng(rng, i)` and lives on `ensemble` shard i // k.
 
   The train step runs under `shard_map`: each device steps its k members with
@@ -134,14 +134,6 @@ class ShardedEnsemble(Strategy):
     init = (jax.vmap(init_fn) if self.loop == "vmap"
             else lambda r: jax.lax.map(init_fn, r))
     return jax.jit(init, out_shardings=self._member_sharding)(rngs)
-
-  def process_rows(self) -> tuple[int, int]:
-    return process_rows_of(self._batch_sharding, self.num_data_replicas)
-
-  def put_batch(self, batch: PyTree) -> PyTree:
-    count = self.process_rows()[1]
-    return jax.tree.map(lambda x: jax.make_array_from_process_local_data(
-        self._batch_sharding, x, (np.shape(x)[0] * count,) + np.shape(x)[1:]), batch)
 
   def _compile(self, fn: StepFn, loop: str, out_specs, **jit_kwargs) -> StepFn:
     per_device = jax.shard_map(

@@ -61,15 +61,15 @@ def config_of(case: str) -> ml_collections.ConfigDict:
 CASES = ("resnet_dp", "nnx_ensemble", "lm_fsdp")
 
 
-def trainer_of(case: str, config: ml_collections.ConfigDict | None = None):
+def trainer_of(case: str, strategy=None):
+  """The case's Trainer, under the case's strategy or `strategy`."""
   import user_models
 
   from trainer import LanguageModelTrainer
 
-  config = config or config_of(case)
   cls = {"resnet_dp": user_models.ResNetTrainer, "nnx_ensemble": user_models.NnxBatchNormTrainer,
          "lm_fsdp": LanguageModelTrainer}[case]
-  return cls(config)
+  return cls(config_of(case), strategy=strategy)
 
 
 def global_batch(case: str, step: int, size: int = 16) -> dict[str, np.ndarray]:
@@ -102,8 +102,7 @@ def run(case: str, workdir: str, num_steps: int = NUM_STEPS, strategy=None, acti
   from trainer import writers
   from trainer.checkpoint import Checkpointer
 
-  trainer = trainer_of(case) if strategy is None else type(trainer_of(case))(
-      config_of(case), strategy=strategy)
+  trainer = trainer_of(case, strategy)
   checkpointer = Checkpointer.from_config(trainer.config, workdir)
   writer = writers.create_writer(workdir)
   try:

@@ -91,8 +91,7 @@ def test_two_processes_equal_one(case, two_processes, one_process):
 
 
 def _restore(case: str, directory: pathlib.Path, strategy=None) -> dict:
-  trainer = cases.trainer_of(case) if strategy is None else type(cases.trainer_of(case))(
-      cases.config_of(case), strategy=strategy)
+  trainer = cases.trainer_of(case, strategy)
   checkpointer = Checkpointer(directory / "checkpoints")
   try:
     assert checkpointer.latest_step() == cases.NUM_STEPS

@@ -113,17 +113,18 @@ def _builder(name: str, data_dir: str | None, file_format: str | None):
         f"prepared again, or use config.data.pipeline='memory' (which reads both).") from e
 
 
-def _prepare(name: str, data_dir: str | None, manual_dir: str | None, file_format: str):
+def _prepare(name: str, data_dir: str | None, manual_dir: str | None,
+             file_format: str | None):
   builder = _builder(name, data_dir, file_format)
+  in_format = {"file_format": file_format} if file_format else {}
   if manual_dir:
     for filename, (magic, shape) in MANUAL_FILES.get(name, {}).items():
       check_idx_file(os.path.join(manual_dir, filename), magic, shape)
     builder.download_and_prepare(
-        download_config=tfds.download.DownloadConfig(manual_dir=manual_dir),
-        **({"file_format": file_format} if file_format else {}))
+        download_config=tfds.download.DownloadConfig(manual_dir=manual_dir), **in_format)
     return builder
   try:
-    builder.download_and_prepare(**({"file_format": file_format} if file_format else {}))
+    builder.download_and_prepare(**in_format)
   except Exception as e:  # Network errors surface as many types; the fix is the same.
     files = ", ".join(MANUAL_FILES.get(name, {})) or "the dataset's original files"
     raise RuntimeError(

@@ -51,8 +51,8 @@ def distributed_settings() -> dict | None:
       raise ValueError(f"environment variable {PROCESS_ID_ENV} is set but {NUM_PROCESSES_ENV} "
                        f"is not; set both (and {COORDINATOR_ENV}) for a multi-process run.")
     return {} if auto else None
-  num, pid = _env_int(NUM_PROCESSES_ENV), _env_int(PROCESS_ID_ENV) \
-      if PROCESS_ID_ENV in os.environ else None
+  num = _env_int(NUM_PROCESSES_ENV)
+  pid = _env_int(PROCESS_ID_ENV) if PROCESS_ID_ENV in os.environ else None
   if num < 1:
     raise ValueError(f"environment variable {NUM_PROCESSES_ENV}={num} must be >= 1.")
   if pid is None or not 0 <= pid < num:

@@ -52,14 +52,15 @@ class DeviceFeed:
     self._queue: collections.deque = collections.deque()
     self._exhausted = False
 
-  def _read_one(self) -> None:
+  def _read_one(self) -> bool:
+    """Reads, checks and places the next batch; False when there is none to read."""
     if self._exhausted or (self._stop_step is not None and self._step >= self._stop_step):
-      return
+      return False
     try:
       batch = next(self._batches)
     except StopIteration:
       self._exhausted = True
-      return
+      return False
     state = self._state_of() if self._state_of else None
     try:
       self._check(batch, self._step)
@@ -68,14 +69,12 @@ class DeviceFeed:
       entry = (None, state, e)
     self._queue.append(entry)
     self._step += 1
+    return True
 
   def fill(self) -> None:
     """Reads and places batches until `ahead` are waiting (or the run's last is)."""
-    while len(self._queue) < self._ahead:
-      before = self._step
-      self._read_one()
-      if self._step == before:  # Nothing left to read.
-        return
+    while len(self._queue) < self._ahead and self._read_one():
+      pass
 
   def next(self) -> tuple[PyTree, Any]:
     """`(placed batch, data state after it)` for the next step.
@@ -84,9 +83,7 @@ class DeviceFeed:
       StopIteration: the data ran out.
       Exception: the batch's check failed (or placing it did).
     """
-    if not self._queue:
-      self._read_one()
-    if not self._queue:
+    if not self._queue and not self._read_one():
       raise StopIteration
     placed, state, error = self._queue.popleft()
     if error is not None:

@@ -79,8 +79,7 @@ def launch(script_and_args: list[str], num_processes: int, port: int = 0) -> int
       failed = [(i, p.returncode) for i, p in enumerate(procs)
                 if p.returncode not in (None, 0)]
       if failed:
-        status = failed[0][1]
-        i = failed[0][0]
+        i, status = failed[0]
         sys.stdout.write(f"[launch] process {i} exited with status {status}; stopping "
                          f"the other processes, which would wait for it.\n")
         for p in procs:
