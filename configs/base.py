@@ -81,6 +81,11 @@ def get_config() -> ml_collections.ConfigDict:
   config.profile.num_steps = 0  # 0: no profile.
   config.profile.logdir = ""
 
+  # Bind every BatchNorm that has no axis_name to the step's data axis, so its
+  # statistics are over the global batch (Lightning's sync_batchnorm). Without
+  # it such a layer is refused where a step sees a shard of the batch (pmap DP).
+  config.sync_batchnorm = False
+
   config.strategy = ml_collections.ConfigDict()
   config.strategy.name = "single_device"  # See strategies.available().
   # sharded_data_parallel: mesh over all devices; -1 takes the remaining devices.

@@ -10,6 +10,7 @@ import importlib
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -51,6 +52,14 @@ def test_real_mnist_ensemble_through_the_entry_point(real_mnist_run, readme_runn
   assert all({"loss", "accuracy", "steps_per_sec", "examples_per_sec"} <= set(r)
              for r in records if r["split"] == "train")
   assert "ETA" in result.stderr
+  # Orbax's per-save INFO lines stay off the console (checkpoints were saved: see below).
+  import orbax
+  orbax_files = {p.name for p in pathlib.Path(orbax.__path__[0]).rglob("*.py")}
+  orbax_files -= {p.name for d in ("trainer", "strategies", "examples")
+                  for p in (ROOT / d).rglob("*.py")}
+  info_from = re.findall(r"^I\d{4} [\d:.]+\s+\d+ (\S+\.py):\d+\]", result.stderr, flags=re.M)
+  assert info_from and not orbax_files & set(info_from), sorted(set(info_from))
+  assert list((workdir / "checkpoints").iterdir())
 
   # TensorBoard events hold the same scalars.
   import tensorflow as tf

@@ -32,3 +32,11 @@ def test_readme_paths_move_but_not_the_interpreter(tmp_path, monkeypatch):
                          ids=readme.command_id)
 def test_readme_command_runs(command, readme_runner):
   readme.run_and_check(command, readme_runner)
+
+
+def test_each_mnist_command_works_on_its_own():
+  """No command relies on an earlier one having prepared MNIST: each names the files."""
+  mnist = [c for c in readme.commands() if readme.script_of(c) == "examples/mnist_ensemble.py"]
+  assert len(mnist) >= 5
+  assert all("--config.data.manual_dir=../shared/data/mnist" in c for c in mnist), [
+      c for c in mnist if "manual_dir" not in c]

@@ -12,7 +12,9 @@ from __future__ import annotations
 import dataclasses
 import gzip
 import os
+import socket
 import struct
+import urllib.parse
 import zlib
 from collections.abc import Iterator
 
@@ -113,8 +115,29 @@ def _builder(name: str, data_dir: str | None, file_format: str | None):
         f"prepared again, or use config.data.pipeline='memory' (which reads both).") from e
 
 
+def check_reachable(url: str, *, timeout: float = 5.0) -> None:
+  """Raises OSError at once if `url`'s server cannot be reached (no network, say).
+
+  TFDS retries a failed download for minutes before it gives up; this asks once.
+  """
+  parts = urllib.parse.urlsplit(url)
+  port = parts.port or (443 if parts.scheme == "https" else 80)
+  with socket.create_connection((parts.hostname, port), timeout=timeout):
+    pass
+
+
+def _offline_error(name: str, data_dir: str | None, e: Exception) -> RuntimeError:
+  files = ", ".join(MANUAL_FILES.get(name, {})) or "the dataset's original files"
+  return RuntimeError(
+      f"TFDS could not download and prepare {name!r} into "
+      f"{data_dir or 'the default TFDS data_dir'} ({type(e).__name__}: {e}). Without "
+      f"network access, put {files} in a directory and set config.data.manual_dir (or "
+      f"the {MANUAL_DIR_ENV} environment variable) to it.")
+
+
 def _prepare(name: str, data_dir: str | None, manual_dir: str | None,
              file_format: str | None):
+  tfds.disable_progress_bar()  # Dozens of bar lines would bury the run's own log.
   builder = _builder(name, data_dir, file_format)
   in_format = {"file_format": file_format} if file_format else {}
   if manual_dir:
@@ -123,15 +146,19 @@ def _prepare(name: str, data_dir: str | None, manual_dir: str | None,
     builder.download_and_prepare(
         download_config=tfds.download.DownloadConfig(manual_dir=manual_dir), **in_format)
     return builder
+  url = getattr(type(builder), "URL", None)
+  downloads = type(builder).download_and_prepare.__module__.startswith("tensorflow_datasets.core")
+  if url and downloads and not builder.is_prepared():  # (Not under tfds.testing.mock_data.)  # Fail in seconds, not after minutes of retries.
+    default_manual = os.path.join(os.fspath(builder.data_dir_root), "downloads", "manual")
+    if not os.path.isdir(default_manual):
+      try:
+        check_reachable(url)
+      except OSError as e:
+        raise _offline_error(name, data_dir, e) from e
   try:
     builder.download_and_prepare(**in_format)
   except Exception as e:  # Network errors surface as many types; the fix is the same.
-    files = ", ".join(MANUAL_FILES.get(name, {})) or "the dataset's original files"
-    raise RuntimeError(
-        f"TFDS could not download and prepare {name!r} into "
-        f"{data_dir or 'the default TFDS data_dir'} ({type(e).__name__}: {e}). Without "
-        f"network access, put {files} in a directory and set config.data.manual_dir (or "
-        f"the {MANUAL_DIR_ENV} environment variable) to it.") from e
+    raise _offline_error(name, data_dir, e) from e
   return builder
 
 

@@ -16,6 +16,16 @@ into pure functions over those two trees:
   discarded initialisers are dead code the compiler drops. No NNX transform is
   used; the strategies compile plain jax functions.
 
+RNG streams: the step's keys come as an `RngStreams` mapping, and reading a
+stream the Trainer does not draw raises `MissingRngStreamError` naming
+`Trainer.rng_streams`. An NNX module whose `__call__` takes `rngs` (Flax's
+own NNX examples do) gets the step's `nnx.Rngs` there.
+
+BatchNorm without `axis_name`: with `sync_batchnorm` such a layer is bound to
+the step's data axis (`strategies.BATCH_AXIS`), which is what Lightning's
+`sync_batchnorm` does for PyTorch; without it, a strategy whose step sees a
+shard of the batch refuses it (its statistics would silently be per replica).
+
 Train/eval mode: a Linen module gets `train=` (or `training=`/`is_training=`)
 and `deterministic=` call arguments its `__call__` declares, and a top-level
 `deterministic`/`train` field (or one on a dataclass field such as the Flax
@@ -36,6 +46,8 @@ import flax.linen as nn
 import jax
 from flax import nnx
 
+from strategies.base import BATCH_AXIS
+
 PyTree = Any
 Rngs = Mapping[str, jax.Array]
 Inputs = tuple[tuple, dict]  # Positional and keyword arguments of the model call.
@@ -46,6 +58,20 @@ _MODE_ARGUMENTS = {"train": True, "training": True, "is_training": True, "determ
 _NOT_STATE = ("params", "intermediates")
 #: The NNX variables that make up `model_state`: everything but parameters and RNG state.
 _NNX_MODEL_STATE = nnx.Not(nnx.Any(nnx.Param, nnx.RngState))
+
+
+class MissingRngStreamError(ValueError):
+  """The model (or `model_inputs`) read an RNG stream that `Trainer.rng_streams` lacks."""
+
+
+class RngStreams(dict):
+  """The keys of one step's RNG streams; a missing stream names `Trainer.rng_streams`."""
+
+  def __missing__(self, name):
+    raise MissingRngStreamError(
+        f"the model asked for RNG stream {name!r}, but the trainer draws only "
+        f"{sorted(k for k in self if k != 'params')}: add {name!r} to the Trainer "
+        f"subclass's rng_streams (e.g. rng_streams = {(*sorted(self), name)!r}).")
 
 
 def _mode_value(name: str, train: bool) -> bool:
@@ -77,15 +103,19 @@ class ModelVariables(abc.ABC):
     """The user's module (Linen) or factory (NNX)."""
 
 
-def create(model: Any) -> ModelVariables:
+def create(model: Any, *, sync_batchnorm: bool = False) -> ModelVariables:
   """The `ModelVariables` for what `Trainer.build_model` returned.
+
+  Args:
+    sync_batchnorm: bind every BatchNorm that has no `axis_name` to the step's
+      data axis, so its statistics are over the global batch (per member).
 
   Raises:
     TypeError: an NNX module instance (its parameters exist already, so every
       ensemble member would share them) or something that is not a model.
   """
   if isinstance(model, nn.Module):
-    return LinenVariables(model)
+    return LinenVariables(model, sync_batchnorm=sync_batchnorm)
   if isinstance(model, nnx.Module):
     raise TypeError(
         f"build_model returned an nnx.Module instance ({type(model).__name__}); return its "
@@ -94,7 +124,7 @@ def create(model: Any) -> ModelVariables:
         f"every seed and ensemble member gets its own parameters, created where the "
         f"strategy places them.")
   if callable(model):
-    return NnxVariables(model)
+    return NnxVariables(model, sync_batchnorm=sync_batchnorm)
   raise TypeError(f"build_model returned {model!r}; expected a flax.linen Module or a "
                   f"factory `rngs -> nnx.Module`.")
 
@@ -105,14 +135,17 @@ def _batch_norm_error(path: str) -> ValueError:
       f"this strategy's step sees a shard of the batch: its statistics would be per replica "
       f"and differ from a single device. Set axis_name=strategies.BATCH_AXIS ('batch'): every "
       f"strategy binds that axis, and its statistics are then over the global batch (per "
-      f"member in ensembles).")
+      f"member in ensembles). For a model you do not want to edit, set "
+      f"config.sync_batchnorm=True: the trainer binds that axis for every BatchNorm without "
+      f"one.")
 
 
 class LinenVariables(ModelVariables):
   """A `flax.linen.Module`: `params` plus its other collections as `model_state`."""
 
-  def __init__(self, module: nn.Module):
+  def __init__(self, module: nn.Module, *, sync_batchnorm: bool = False):
     self._module = module
+    self._sync_batchnorm = sync_batchnorm
     call = inspect.signature(type(module).__call__).parameters
     self._mode_args = [name for name in _MODE_ARGUMENTS if name in call]
 
@@ -138,8 +171,11 @@ class LinenVariables(ModelVariables):
     module, args, kwargs = self._in_mode(inputs, train)
     variables = {"params": params, **model_state}
     mutable = list(model_state) if train and model_state else False
-    with (nn.intercept_methods(_linen_batch_norm_check) if train and require_batch_axis
-          else contextlib.nullcontext()):
+    with contextlib.ExitStack() as stack:
+      if self._sync_batchnorm:
+        stack.enter_context(nn.intercept_methods(_linen_sync_batch_norm))
+      elif train and require_batch_axis:
+        stack.enter_context(nn.intercept_methods(_linen_batch_norm_check))
       result = module.apply(variables, *args, rngs=dict(rngs), mutable=mutable, **kwargs)
     if mutable:
       outputs, updated = result
@@ -156,6 +192,16 @@ def _linen_batch_norm_check(next_fun, args, kwargs, context):
         kwargs.get("use_running_average", args[1] if len(args) > 1 else None))
     if not use_running_average:
       raise _batch_norm_error("/".join(module.scope.path) if module.scope else module.name)
+  return next_fun(*args, **kwargs)
+
+
+def _linen_sync_batch_norm(next_fun, args, kwargs, context):
+  """Calls a BatchNorm that has no `axis_name` as one bound to the step's data axis."""
+  module = context.module
+  if (isinstance(module, nn.BatchNorm) and context.method_name == "__call__"
+      and module.axis_name is None):
+    # Linen modules are frozen dataclasses; this bound copy lives for one apply only.
+    object.__setattr__(module, "axis_name", BATCH_AXIS)
   return next_fun(*args, **kwargs)
 
 
@@ -193,6 +239,13 @@ def _boxed_tree(state: Mapping) -> dict:
   return out
 
 
+def _with_default(rngs: Rngs) -> dict[str, jax.Array]:
+  """The streams as a plain dict with a `default` one (what `nnx.Rngs` falls back to)."""
+  streams = dict(rngs)
+  streams.setdefault("default", next(iter(streams.values())))
+  return streams
+
+
 class NnxVariables(ModelVariables):
   """An NNX module built by `factory(rngs=nnx.Rngs(...))`: `nnx.Param`s as params, the rest
   (e.g. `BatchStat`) except RNG state as `model_state`.
@@ -201,22 +254,29 @@ class NnxVariables(ModelVariables):
   that step's keys, so its randomness is a function of `(state.rng, step)`.
   """
 
-  def __init__(self, factory: Callable[..., nnx.Module]):
+  def __init__(self, factory: Callable[..., nnx.Module], *, sync_batchnorm: bool = False):
     self._factory = factory
+    self._sync_batchnorm = sync_batchnorm
+    self._call_takes_rngs: bool | None = None  # Known once a module exists.
 
   @property
   def module(self) -> Callable[..., nnx.Module]:
     return self._factory
 
   def _build(self, rngs: Rngs) -> nnx.Module:
-    streams = dict(rngs)
-    streams.setdefault("default", next(iter(streams.values())))
+    streams = _with_default(rngs)
     # The strategy places the arrays (from the logical annotations) itself.
     with nnx.use_eager_sharding(False):
       model = self._factory(rngs=nnx.Rngs(**streams))
     if not isinstance(model, nnx.Module):
       raise TypeError(f"build_model's factory returned {type(model).__name__}, not an "
                       f"nnx.Module.")
+    if self._sync_batchnorm:
+      for _, module in nnx.iter_modules(model):
+        if isinstance(module, nnx.BatchNorm) and module.axis_name is None:
+          module.axis_name = BATCH_AXIS
+    if self._call_takes_rngs is None:
+      self._call_takes_rngs = "rngs" in inspect.signature(type(model).__call__).parameters
     return model
 
   @staticmethod
@@ -242,6 +302,8 @@ class NnxVariables(ModelVariables):
         if isinstance(module, nnx.BatchNorm) and module.axis_name is None:
           raise _batch_norm_error("/".join(map(str, path)))
     args, kwargs = inputs
+    if self._call_takes_rngs and "rngs" not in kwargs:  # Flax's NNX examples: __call__(x, rngs)
+      kwargs = {**kwargs, "rngs": nnx.Rngs(**_with_default(rngs))}
     outputs = model(*args, **kwargs)
     if not train:
       return outputs, model_state

@@ -194,7 +194,8 @@ class Trainer(abc.ABC):
                        f"gradient norm, 'skip' leaves such updates out and counts them.")
     self.schedule = self.build_schedule()
     self.model = self.build_model()
-    self.model_variables = model_variables.create(self.model)
+    self.model_variables = model_variables.create(self.model,
+                                                  sync_batchnorm=config.sync_batchnorm)
     self.optimizer = self.build_optimizer()
     self._compiled: dict[str, Callable] = {}  # Step name -> the strategy's compiled step.
     self._traced: set[str] = set()  # Eval-side steps traced ahead of their first use.
@@ -267,10 +268,14 @@ class Trainer(abc.ABC):
             params, model_state, inputs, rngs=rngs, train=train,
             require_batch_axis=self.strategy.step_sees_batch_shard), inputs)
 
-  def step_rngs(self, key: jax.Array) -> dict[str, jax.Array]:
-    """One key per stream of `rng_streams`, each a function of `key` and the stream name."""
-    return {name: jax.random.fold_in(key, zlib.crc32(name.encode()) & 0x7FFFFFFF)
-            for name in self.rng_streams}
+  def step_rngs(self, key: jax.Array) -> model_variables.RngStreams:
+    """One key per stream of `rng_streams`, each a function of `key` and the stream name.
+
+    Reading a stream that is not in `rng_streams` raises an error naming it.
+    """
+    return model_variables.RngStreams(
+        {name: jax.random.fold_in(key, zlib.crc32(name.encode()) & 0x7FFFFFFF)
+         for name in self.rng_streams})
 
   def train_metrics(self, outputs: Any, batch: Batch, loss: jax.Array) -> clu_metrics.Collection:
     """Metrics of one training step, from the per-example losses."""
@@ -340,7 +345,7 @@ class Trainer(abc.ABC):
 
     def init(rng: jax.Array, zeros: Batch) -> TrainState:
       params_rng, state_rng = jax.random.split(rng)
-      rngs = {"params": params_rng, **self.step_rngs(params_rng)}
+      rngs = model_variables.RngStreams(params=params_rng, **self.step_rngs(params_rng))
       inputs = self.model_inputs(zeros, train=False, rngs=rngs)
       # Bound (size 1) so a model that names the batch axis also inits outside a step.
       params, model_state = bind_size_one_batch_axis(
@@ -558,6 +563,7 @@ class Trainer(abc.ABC):
         `nonfinite='stop'`; no checkpoint of a non-finite state is written.
       CheckpointError: a checkpoint could not be read, restored or written.
     """
+    self._check_schedule_length(num_steps)
     writer = writer or metric_writers.LoggingWriter()
     run_actions = actions_lib.with_user_actions(
         self.default_actions(checkpointer=checkpointer, eval_batches=eval_batches,
@@ -613,6 +619,28 @@ class Trainer(abc.ABC):
     loop.result.state, loop.result.step = loop.state, loop.step
     loop.result.stopped_by = loop.stop_reason
     return loop.result
+
+  def _check_schedule_length(self, num_steps: int) -> None:
+    """Compares the run's length with the one the config's decaying schedule was built for.
+
+    Longer raises (the rate would sit at its floor for the extra steps); shorter
+    warns, since stopping part-way and resuming later is a normal use.
+    """
+    name, length = self.config.schedule.name, self.num_train_steps
+    if (type(self).build_schedule is not Trainer.build_schedule or name == "constant"
+        or num_steps == length):
+      return
+    fix = (f"build the Trainer with num_train_steps={num_steps} (or set "
+           f"config.num_train_steps={num_steps})")
+    if num_steps > length:
+      raise ValueError(
+          f"fit(num_steps={num_steps}) runs past the end of config.schedule.name={name!r}, "
+          f"which decays over num_train_steps={length} steps: the last "
+          f"{num_steps - length} steps would train at the final rate; {fix}.")
+    logging.warning("fit(num_steps=%d) stops before config.schedule.name=%r has decayed: it "
+                    "is built for num_train_steps=%d steps, so the run ends at a rate above "
+                    "its end. If the run is not meant to resume later, %s.",
+                    num_steps, name, length, fix)
 
   @contextlib.contextmanager
   def _waiting_for_saves(self, checkpointer: Checkpointer | None):
