@@ -44,7 +44,7 @@ def main():
   parser.add_argument("--devices", type=int, default=8)
   parser.add_argument("--strategies", default=",".join(STRATEGIES))
   args = parser.parse_args()
-  from trainer.devices import set_num_cpu_devices
+  from trainer.distributed.devices import set_num_cpu_devices
   set_num_cpu_devices(args.devices)
   import jax
   from mnist_setup import MNISTTrainer, random_batches, timed_block

@@ -34,14 +34,14 @@ def main():
                       help="which comparisons: 8on8 (8 members on 8 devices), 4on1 (4 on one)")
   args = parser.parse_args()
 
-  from trainer.devices import set_num_cpu_devices
+  from trainer.distributed.devices import set_num_cpu_devices
   set_num_cpu_devices(8)
 
   import jax
   from mnist_setup import MNISTTrainer, random_batches
 
   from configs import mnist_ensemble
-  from trainer.trainer import wait_for_previous_call
+  from trainer.evaluation import wait_for_previous_call
 
   batches = random_batches(args.batch)
   print(f"jax {jax.__version__}, backend {jax.default_backend()}, {jax.device_count()} "

@@ -42,7 +42,7 @@ def measure(trainer, batches, block_seconds: float, pairs: int) -> dict[str, lis
   import jax
 
   from trainer import writers
-  from trainer.trainer import wait_for_previous_call
+  from trainer.evaluation import wait_for_previous_call
 
   def stream(start):
     return itertools.islice(itertools.cycle(batches), start % len(batches), None)
@@ -93,7 +93,7 @@ def main():
   parser.add_argument("--strategies", default=",".join(STRATEGIES))
   args = parser.parse_args()
 
-  from trainer.devices import set_num_cpu_devices
+  from trainer.distributed.devices import set_num_cpu_devices
   set_num_cpu_devices(args.devices)
 
   import jax

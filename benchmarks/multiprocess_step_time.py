@@ -3,7 +3,7 @@ r"""Train-step time on 2 processes x 4 devices against 1 process x 8 devices, in
     python benchmarks/multiprocess_step_time.py [--steps 20] [--rounds 2] [--batch 128]
 
 For each workload the same config runs twice per round: in one process with 8
-CPU devices, and through `python -m trainer.launch --num_processes 2` (gloo
+CPU devices, and through `python -m trainer.distributed.launch --num_processes 2` (gloo
 collectives between the processes, 4 devices each). Each process feeds its
 own rows of every batch (`Strategy.process_slice`), as a multi-host run does.
 Steps are timed after compilation and warm-up, through `Trainer.fit` with a
@@ -50,13 +50,13 @@ def _config(workload: str, batch: int):
 
 def worker(args) -> None:
   """Times one workload in this process (one of several when launched)."""
-  from trainer import devices
+  from trainer.distributed import devices
   devices.initialize(8)
   import jax
   from mnist_setup import MNISTTrainer, random_batches
 
   from trainer import LanguageModelTrainer
-  from trainer.actions import Action
+  from trainer.loop.actions import Action
   from trainer.language_model import synthetic_token_batches
 
   config = _config(args.workload, args.batch)
@@ -78,10 +78,10 @@ def worker(args) -> None:
       super().__init__(every_steps=1)
       self.times = {}
 
-    def run(self, loop):
-      if loop.step in (args.warmup, args.warmup + args.steps):
-        jax.block_until_ready(loop.state)
-        self.times[loop.step] = time.perf_counter()
+    def run(self, view):
+      if view.step in (args.warmup, args.warmup + args.steps):
+        jax.block_until_ready(view.state)
+        self.times[view.step] = time.perf_counter()
 
   clock = Clock()
   trainer.default_actions = lambda **_: []  # A bare loop: no logging, eval or checkpoints.
@@ -99,7 +99,7 @@ def _run(argv: list[str], processes: int) -> dict:
   env.pop("XLA_FLAGS", None)
   env.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
   command = [sys.executable, *argv] if processes == 1 else [
-      sys.executable, "-m", "trainer.launch", "--num_processes", str(processes), *argv]
+      sys.executable, "-m", "trainer.distributed.launch", "--num_processes", str(processes), *argv]
   result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
   for line in result.stdout.splitlines():
     if "RESULT " in line:

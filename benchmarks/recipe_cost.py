@@ -89,7 +89,7 @@ def main():
   parser.add_argument("--variants", default=",".join(VARIANTS),
                       help="which of the variants; 'plain' always runs")
   args = parser.parse_args()
-  from trainer.devices import set_num_cpu_devices
+  from trainer.distributed.devices import set_num_cpu_devices
   set_num_cpu_devices(args.devices)
   import jax
   from mnist_setup import timed_block

@@ -26,14 +26,15 @@ def main():
   parser.add_argument("--batch", type=int, default=128)
   args = parser.parse_args()
 
-  from trainer.devices import set_num_cpu_devices
+  from trainer.distributed.devices import set_num_cpu_devices
   set_num_cpu_devices(args.devices)
 
   import jax
   from mnist_setup import MNISTTrainer, random_batches
 
   from configs import mnist_ensemble
-  from trainer.trainer import wait_for_previous_call
+  from strategies import Ensemble
+  from trainer.evaluation import wait_for_previous_call
 
   batches = random_batches(args.batch)
   n = jax.device_count()
@@ -61,7 +62,8 @@ def main():
       wait_for_previous_call(outputs)  # As Trainer.fit; more queued steps deadlock XLA:CPU.
     jax.block_until_ready((state, metrics))
     seconds = (time.perf_counter() - start) / args.steps
-    rows.append((name, trainer.strategy.num_members, seconds))
+    members = trainer.strategy.num_members if isinstance(trainer.strategy, Ensemble) else 1
+    rows.append((name, members, seconds))
 
   base = rows[0][2]
   print(f"{'strategy':24s} {'models':>6s} {'s/step':>9s} {'vs single':>10s} "

@@ -12,7 +12,10 @@ def get_config() -> ml_collections.ConfigDict:
   config.seed = 0  # Params, member RNGs and data order all derive from it.
   config.batch_size = 128  # Global: split over data replicas, whole for each ensemble member.
   config.eval_batch_size = 128  # Short final eval batches are padded and masked.
-  config.num_train_steps = 1000
+  config.num_train_steps = 1000  # The run's length; decaying schedules span it. <= 0: unset.
+  # With num_train_steps <= 0: this many passes over the train split (setups
+  # that read a dataset turn it into steps, trainer.data.num_train_steps).
+  config.num_epochs = 0
   config.log_every_steps = 100
   config.eval_every_steps = 0  # 0: evaluate only at the end.
 
@@ -37,7 +40,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.checkpoint.keep_best = 1
 
   # -- The optimizer recipe (trainer/optim.py) --
-  config.optimizer = "sgd"  # One of trainer.optim.OPTIMIZERS: sgd, adam, adamw.
+  config.optimizer = "sgd"  # One of trainer.step.optim.OPTIMIZERS: sgd, adam, adamw.
   config.learning_rate = 0.1  # The peak rate, after warmup.
   config.momentum = 0.9  # sgd; 0 for plain SGD.
   # Decoupled for adamw, added to the gradient (L2) for sgd/adam. Applies to
@@ -55,7 +58,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.grad_accum_steps = 1
   # How the microbatches run: "scan" (a loop: one microbatch's activations live
   # at a time), "unroll" (straight-line code), or "" for the platform's default
-  # (trainer.accumulation.default_loop: unroll on CPU, where convolutions in a
+  # (trainer.step.accumulation.default_loop: unroll on CPU, where convolutions in a
   # loop are slow; scan elsewhere).
   config.grad_accum_loop = ""
   # bfloat16 (or float16) compute with float32 parameters and optimizer state.
@@ -85,6 +88,13 @@ def get_config() -> ml_collections.ConfigDict:
   # statistics are over the global batch (Lightning's sync_batchnorm). Without
   # it such a layer is refused where a step sees a shard of the batch (pmap DP).
   config.sync_batchnorm = False
+
+  # Ensemble strategies: how many members; 0 puts one member on each device
+  # (pmap_ensemble: each local device; sharded_ensemble: every device).
+  config.ensemble_size = 0
+  # CPU-only hosts: how many host devices the entry point makes before jax
+  # starts (0: leave jax's default). No effect on GPU/TPU hosts.
+  config.num_cpu_devices = 0
 
   config.strategy = ml_collections.ConfigDict()
   config.strategy.name = "single_device"  # See strategies.available().

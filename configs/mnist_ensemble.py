@@ -46,7 +46,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.data.train_split = "train"
   config.data.eval_split = "test"
   # "grain": streamed by Grain from TFDS array_record files, each process reading its
-  # rows (trainer.pipeline); "memory": the splits read into host memory (trainer.data).
+  # rows (trainer.data.pipeline); "memory": the splits read into host memory (trainer.data).
   config.data.pipeline = "grain"
   config.data.read_threads = 4  # Grain reader threads decoding records ahead of the loop.
   config.data.prefetch_batches = 8  # Batches the Grain readers keep ready.

@@ -16,7 +16,7 @@ run saves a checkpoint and exits 0.
 On several processes (each feeding its rows of every batch; logs and files
 from process 0):
 
-    python -m trainer.launch --num_processes 2 examples/mnist_ensemble.py \
+    python -m trainer.distributed.launch --num_processes 2 examples/mnist_ensemble.py \
         --config=configs/mnist_ensemble.py --workdir=/tmp/mnist_2x4
 """
 
@@ -46,7 +46,8 @@ def train_and_evaluate(config, workdir: str) -> dict[str, float] | None:
   decaying learning-rate schedule needs the run's length in steps.
   """
   import models
-  from trainer import ClassificationTrainer, data, pipeline, writers
+  from trainer import ClassificationTrainer, data, writers
+  from trainer.data import pipeline
   from trainer.checkpoint import Checkpointer
 
   class MNISTTrainer(ClassificationTrainer):
@@ -106,10 +107,10 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
   # Before anything initialises jax's backends: the processes of a multi-process
-  # run (`python -m trainer.launch`, or a cluster's environment) and how many
+  # run (`python -m trainer.distributed.launch`, or a cluster's environment) and how many
   # host devices a CPU run has.
-  from trainer import devices
-  devices.initialize(FLAGS.config.get("num_cpu_devices", 0))
+  from trainer.distributed import devices
+  devices.initialize(FLAGS.config.num_cpu_devices)
   with devices.naming_the_process():
     results = train_and_evaluate(FLAGS.config, FLAGS.workdir)
   if results is None:

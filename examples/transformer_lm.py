@@ -29,7 +29,7 @@ flags.mark_flags_as_required(["workdir"])
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
-  from trainer import devices
+  from trainer.distributed import devices
   devices.initialize(FLAGS.num_cpu_devices)
   with devices.naming_the_process():
     train(FLAGS.config, FLAGS.workdir)
@@ -40,7 +40,7 @@ def train(config, workdir: str) -> None:
 
   from trainer import LanguageModelTrainer, writers
   from trainer.checkpoint import Checkpointer
-  from trainer.devices import is_primary
+  from trainer.distributed.devices import is_primary
   from trainer.language_model import synthetic_token_batches
 
   trainer = LanguageModelTrainer(config)

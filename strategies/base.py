@@ -5,7 +5,9 @@ answers every question about devices: how state is created and placed, how a
 host batch becomes device arrays, how a step is compiled, which collectives the
 step needs, and how device results come back to the host in a layout that does
 not depend on the strategy. The collectives default to identities, which is
-exactly what the single-device reference needs.
+exactly what the single-device reference needs. Optional capabilities
+(ensembles, a batch spread over processes) are mixins in
+`strategies.capabilities` and `strategies.mesh`.
 """
 
 from __future__ import annotations
@@ -19,25 +21,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from strategies.mesh import bind_size_one_batch_axis
+from strategies.tree import abstract_with_sharding, to_host
+
 PyTree = Any
-
-#: The name of the data axis inside every step: a model written for Flax's
-#: `axis_name` pattern (`nn.BatchNorm(axis_name="batch")`, `lax.pmean(x, "batch")`)
-#: reduces over the global batch under every strategy (per member in ensembles).
-BATCH_AXIS = "batch"
-
 InitFn = Callable[[jax.Array], PyTree]
 StepFn = Callable[..., Any]
-
-
-def member_rng(rng: jax.Array, index: int | jax.Array) -> jax.Array:
-  """The RNG that ensemble member `index` is initialised from.
-
-  Member i's RNG does not depend on the ensemble size, so member 3 of a
-  4-member ensemble is the same model as member 3 of an 8-member one, and a
-  single-device run started from `member_rng(rng, i)` reproduces member i.
-  """
-  return jax.random.fold_in(rng, index)
 
 
 class Strategy(abc.ABC):
@@ -50,12 +39,6 @@ class Strategy(abc.ABC):
 
   #: The name the strategy is registered under (`config.strategy.name`).
   name: str = ""
-
-  #: How many independently initialised models the state holds.
-  num_members: int = 1
-
-  #: Whether every state array carries a leading member axis (ensembles).
-  is_ensemble: bool = False
 
   #: Whether the strategy's devices may belong to several processes (`jax.distributed`).
   spans_processes: bool = False
@@ -73,16 +56,6 @@ class Strategy(abc.ABC):
           f"config.batch_size={global_batch_size} must be a positive multiple of the "
           f"{replicas} data replicas of strategy {self.name!r}; "
           f"try {max(replicas, global_batch_size - global_batch_size % replicas)}.")
-
-  @classmethod
-  def check_processes(cls) -> None:
-    """Raises ValueError on a multi-process run if the strategy sees one process's devices."""
-    if jax.process_count() > 1 and not cls.spans_processes:
-      from strategies.registry import multi_process_strategies
-      raise ValueError(
-          f"config.strategy.name={cls.name!r} places everything on the devices of one "
-          f"process, but this run has {jax.process_count()} processes (jax.distributed); "
-          f"use one of {multi_process_strategies()}, whose mesh spans all processes.")
 
   # -- Process layout ----------------------------------------------------------
 
@@ -184,6 +157,11 @@ class Strategy(abc.ABC):
     """Which ensemble member the step is running for (0 without an ensemble)."""
     return jnp.zeros((), jnp.int32)
 
+  def which_models(self, flags: np.ndarray) -> str:
+    """Names the models whose `flags` are False, for error messages ("" for one model)."""
+    del flags
+    return ""
+
   # -- Host views --------------------------------------------------------------
 
   def metrics_to_host(self, metrics: Sequence[PyTree]) -> PyTree:
@@ -222,6 +200,23 @@ class Strategy(abc.ABC):
     """The placed state as device arrays in the checkpoint layout."""
     return state
 
+  def checkpoint_layout(self) -> dict[str, Any]:
+    """What a checkpoint records about the layout besides its arrays (0 members: one model)."""
+    return {"num_members": 0, "strategy": self.name}
+
+  def restore_member(self, read: Callable[[PyTree], PyTree], target: PyTree, *,
+                     num_saved: int, member: int) -> PyTree:
+    """Member `member` of a saved ensemble of `num_saved`, placed like `target`.
+
+    Args:
+      read: restores the saved arrays into a tree of `ShapeDtypeStruct`s.
+      target: this strategy's `checkpoint_target` for one model.
+    """
+    device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    stacked = abstract_with_sharding(target, device, (num_saved,))
+    return jax.tree.map(lambda x, t: jax.device_put(x[member], t.sharding), read(stacked),
+                        target)
+
   @abc.abstractmethod
   def checkpoint_target(self, abstract_state: PyTree) -> PyTree:
     """Where restored arrays go: `ShapeDtypeStruct`s with this strategy's shardings.
@@ -235,132 +230,8 @@ class Strategy(abc.ABC):
     """Turns arrays restored into `checkpoint_target` into a placed state."""
     return state
 
-  def summary(self, state: PyTree) -> str:
-    """`describe()` plus the state's per-parameter layout and bytes per device."""
-    from strategies.summary import summarize
-    return summarize(self, state)
-
   def describe(self) -> str:
     """A one-line summary of the device layout."""
-    return f"{self.name}: {self.num_members} member(s), {self.num_data_replicas} data replica(s)"
+    return f"{self.name}: one model, {self.num_data_replicas} data replica(s)"
 
 
-def bind_size_one_batch_axis(fn: Callable[[PyTree], Any], inputs: PyTree) -> Any:
-  """`fn(inputs)` inside a size-1 `vmap` named `BATCH_AXIS` over the array leaves of `inputs`.
-
-  Non-array leaves (flags, None) pass through unchanged; every output gets the
-  size-1 axis and loses it again.
-  """
-  flat, treedef = jax.tree.flatten(inputs)
-  is_array = [isinstance(x, (jax.Array, np.ndarray)) for x in flat]
-  arrays = [x[None] for x, a in zip(flat, is_array, strict=True) if a]
-
-  def call(arrays):
-    it = iter(arrays)
-    return fn(jax.tree.unflatten(treedef, [next(it) if a else x
-                                           for x, a in zip(flat, is_array, strict=True)]))
-
-  out = jax.vmap(call, axis_name=BATCH_AXIS, axis_size=1)(arrays)
-  return jax.tree.map(lambda x: x[0], out)
-
-
-def keypath_str(path: tuple, *, drop_box: bool = False) -> str:
-  """`params/layers/W1` for a jax key path; `drop_box` leaves out Flax's `value` box field."""
-  names = [str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path]
-  if drop_box and names and names[-1] == "value" and isinstance(path[-1],
-                                                                jax.tree_util.GetAttrKey):
-    names = names[:-1]
-  return "/".join(names)
-
-
-def abstract_with_sharding(abstract: PyTree, sharding: jax.sharding.Sharding,
-                           leading: tuple[int, ...] = ()) -> PyTree:
-  """`ShapeDtypeStruct`s of `abstract`'s leaves, `leading` axes prepended, on `sharding`."""
-  return jax.tree.map(
-      lambda x: jax.ShapeDtypeStruct(leading + tuple(x.shape), x.dtype, sharding=sharding),
-      abstract)
-
-
-def merge_along_leading_axis(collection: PyTree) -> PyTree:
-  """Merges a host clu `Collection` over the leading axis of its arrays (members), in numpy.
-
-  The result is what `Collection.reduce()` gives (each metric's own
-  `_reduce_merge`, so `LastValue` averages), but clu runs a `lax.scan` per
-  metric for it, about 0.1 s on host arrays; here each merge is a few numpy
-  additions.
-  """
-
-  def merge(metric):
-    parts = [jax.tree.map(lambda x, i=i: x[i], metric)
-             for i in range(np.shape(jax.tree.leaves(metric)[0])[0])]
-    return functools.reduce(lambda a, b: a._reduce_merge(b), parts)
-
-  return type(collection)(**{name: merge(m) for name, m in vars(collection).items()})
-
-
-def first_along_leading_axis(tree: PyTree) -> PyTree:
-  """Host copy of element 0 of every leaf's leading axis."""
-  return jax.tree.map(lambda x: np.asarray(x[0]), to_host(tree))
-
-
-def to_host(tree: PyTree) -> PyTree:
-  """Host copies of a pytree's arrays, whole, in every process.
-
-  An array sharded over devices of several processes is gathered from all of
-  them (`process_allgather`, a collective: every process must call this at the
-  same point); replicated and process-local arrays are read where they are.
-  """
-  def spans_processes(x):
-    return (isinstance(x, jax.Array) and not x.is_fully_addressable
-            and not x.is_fully_replicated)
-
-  if not any(spans_processes(x) for x in jax.tree.leaves(tree)):
-    return jax.device_get(tree)
-  from jax.experimental import multihost_utils
-  return jax.tree.map(lambda x: np.asarray(multihost_utils.process_allgather(x, tiled=True))
-                      if spans_processes(x) else jax.device_get(x), tree)
-
-
-class GlobalMeshBatch:
-  """Mixin for jit strategies whose batch is one global array laid out by `_batch_sharding`.
-
-  Each process puts its own rows; which rows those are depends only on the
-  sharding, so it is worked out once, not per batch.
-  """
-
-  _batch_sharding: jax.sharding.Sharding
-
-  @functools.cached_property
-  def _process_rows(self) -> tuple[int, int]:
-    return process_rows_of(self._batch_sharding, self.num_data_replicas)
-
-  def process_rows(self) -> tuple[int, int]:
-    return self._process_rows
-
-  def put_batch(self, batch: PyTree) -> PyTree:
-    count = self._process_rows[1]
-    return jax.tree.map(lambda x: jax.make_array_from_process_local_data(
-        self._batch_sharding, x, (np.shape(x)[0] * count,) + np.shape(x)[1:]), batch)
-
-
-def process_rows_of(sharding: jax.sharding.Sharding, num_replicas: int) -> tuple[int, int]:
-  """`Strategy.process_rows` for a batch laid out by `sharding` over `num_replicas` parts.
-
-  Raises:
-    ValueError: this process's devices hold rows that are not one consecutive
-      block (the mesh interleaves the processes along the batch axis).
-  """
-  if jax.process_count() == 1:
-    return 0, 1
-  rows = set()
-  for index in sharding.addressable_devices_indices_map((num_replicas,)).values():
-    start, stop, _ = index[0].indices(num_replicas)
-    rows.update(range(start, stop))
-  lo, hi = min(rows), max(rows) + 1
-  size = hi - lo
-  if len(rows) != size or num_replicas % size or lo % size:
-    raise ValueError(
-        f"process {jax.process_index()} holds batch rows {sorted(rows)} of {num_replicas}: "
-        f"not one block of consecutive rows. Order the mesh so that each process's devices "
-        f"are adjacent along the batch axis (jax.make_mesh does).")
-  return lo // size, num_replicas // size

@@ -10,15 +10,10 @@ import ml_collections
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from strategies.base import (
-  BATCH_AXIS,
-  InitFn,
-  PyTree,
-  StepFn,
-  Strategy,
-  abstract_with_sharding,
-)
+from strategies.base import InitFn, PyTree, StepFn, Strategy
+from strategies.mesh import BATCH_AXIS
 from strategies.registry import register
+from strategies.tree import abstract_with_sharding
 
 AXIS = BATCH_AXIS  # Bound by pmap: BatchNorm(axis_name="batch") averages over replicas.
 

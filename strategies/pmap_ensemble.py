@@ -3,36 +3,26 @@
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import ml_collections
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from strategies.base import (
-  InitFn,
-  PyTree,
-  StepFn,
-  Strategy,
-  abstract_with_sharding,
-  first_along_leading_axis,
-  member_rng,
-  merge_along_leading_axis,
-)
+from strategies.base import InitFn, PyTree, StepFn, Strategy
+from strategies.capabilities import Ensemble
 from strategies.registry import register
+from strategies.tree import abstract_with_sharding
 
 AXIS = "ensemble"
 
 
 @register("pmap_ensemble")
-class PmapEnsemble(Strategy):
+class PmapEnsemble(Ensemble, Strategy):
   """Member i lives on local device i and is initialised from `member_rng(rng, i)`.
 
   Every device sees the whole batch. Losses and gradients stay per member (no
   collective in the train step); only ensemble predictions average member
   probabilities with `lax.pmean` over the `ensemble` axis.
   """
-
-  is_ensemble = True
 
   def __init__(self, num_members: int, devices: list[jax.Device] | None = None):
     self.devices = list(devices or jax.local_devices())
@@ -49,14 +39,14 @@ class PmapEnsemble(Strategy):
 
   @classmethod
   def from_config(cls, config: ml_collections.ConfigDict) -> PmapEnsemble:
-    return cls(num_members=config.get("ensemble_size", jax.local_device_count()))
+    return cls(num_members=config.ensemble_size or jax.local_device_count())
 
   @property
   def num_data_replicas(self) -> int:
     return 1
 
   def create_state(self, init_fn: InitFn, rng: jax.Array) -> PyTree:
-    rngs = jax.vmap(lambda i: member_rng(rng, i))(jnp.arange(self.num_members))
+    rngs = self.member_rngs(rng)
     # Same axis name as the steps, so the first step reuses the compiled program.
     return jax.pmap(init_fn, axis_name=AXIS, devices=self.devices)(rngs)
 
@@ -77,13 +67,6 @@ class PmapEnsemble(Strategy):
 
   def member_index(self) -> jax.Array:
     return jax.lax.axis_index(AXIS)
-
-  def merge_device_axis(self, metrics: PyTree) -> PyTree:
-    # Member metrics differ per device; merging them averages over members.
-    return merge_along_leading_axis(metrics)
-
-  def outputs_to_host(self, outputs: PyTree) -> PyTree:
-    return first_along_leading_axis(outputs)  # Identical on every member after pmean.
 
   def checkpoint_target(self, abstract_state: PyTree) -> PyTree:
     # Member i is read straight onto device i: the layout the pmapped step takes.

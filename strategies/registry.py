@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import jax
 import ml_collections
 
 from strategies.base import Strategy
@@ -40,6 +41,15 @@ def multi_process_strategies() -> list[str]:
   return [name for name in available() if _CLASSES[name].spans_processes]
 
 
+def check_processes(cls: type[Strategy]) -> None:
+  """Raises ValueError on a multi-process run if strategy `cls` sees one process's devices."""
+  if jax.process_count() > 1 and not cls.spans_processes:
+    raise ValueError(
+        f"config.strategy.name={cls.name!r} places everything on the devices of one "
+        f"process, but this run has {jax.process_count()} processes (jax.distributed); "
+        f"use one of {multi_process_strategies()}, whose mesh spans all processes.")
+
+
 def create_strategy(config: ml_collections.ConfigDict) -> Strategy:
   """Builds the strategy named by `config.strategy.name`, validating its fields.
 
@@ -51,5 +61,5 @@ def create_strategy(config: ml_collections.ConfigDict) -> Strategy:
     raise ValueError(
         f"config.strategy.name={name!r} is not a registered strategy; "
         f"choose one of: {', '.join(available())}.")
-  _CLASSES[name].check_processes()  # Before the strategy's own checks of device counts.
+  check_processes(_CLASSES[name])  # Before the strategy's own checks of device counts.
   return _FACTORIES[name](config)

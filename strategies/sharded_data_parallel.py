@@ -18,8 +18,10 @@ import jax
 import ml_collections
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
-from strategies.base import GlobalMeshBatch, InitFn, PyTree, StepFn, Strategy, keypath_str
+from strategies.base import InitFn, PyTree, StepFn, Strategy
+from strategies.mesh import GlobalMeshBatch
 from strategies.registry import register
+from strategies.tree import keypath_str
 
 LogicalRules = tuple[tuple[str, str | tuple[str, ...] | None], ...]
 
@@ -151,7 +153,6 @@ class ShardedDataParallel(GlobalMeshBatch, Strategy):
   order, so each process feeds a consecutive block of the batch rows).
   """
 
-  spans_processes = True
 
   def __init__(self, mesh_shape: Sequence[int], mesh_axes: Sequence[str],
                logical_axis_rules: Sequence, devices: Sequence[jax.Device] | None = None):
@@ -165,8 +166,8 @@ class ShardedDataParallel(GlobalMeshBatch, Strategy):
 
   @classmethod
   def from_config(cls, config: ml_collections.ConfigDict) -> ShardedDataParallel:
-    s = config.strategy
-    return cls(s.mesh_shape, s.mesh_axes, s.logical_axis_rules)
+    return cls(config.strategy.mesh_shape, config.strategy.mesh_axes,
+               config.strategy.logical_axis_rules)
 
   @property
   def num_data_replicas(self) -> int:

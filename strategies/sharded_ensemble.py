@@ -20,19 +20,11 @@ import ml_collections
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from strategies.base import (
-    BATCH_AXIS,
-    GlobalMeshBatch,
-    InitFn,
-    PyTree,
-    StepFn,
-    Strategy,
-    abstract_with_sharding,
-    first_along_leading_axis,
-    member_rng,
-    merge_along_leading_axis,
-)
+from strategies.base import InitFn, PyTree, StepFn, Strategy
+from strategies.capabilities import Ensemble
+from strategies.mesh import BATCH_AXIS, GlobalMeshBatch
 from strategies.registry import register
+from strategies.tree import abstract_with_sharding
 
 ENSEMBLE, DATA = "ensemble", BATCH_AXIS  # DATA: BatchNorm(axis_name="batch") reduces over it.
 MEMBERS = "members"  # The vmap axis over the members that share a device.
@@ -53,7 +45,7 @@ def default_loop(platform: str) -> str:
 
 
 @register("sharded_ensemble")
-class ShardedEnsemble(GlobalMeshBatch, Strategy):
+class ShardedEnsemble(Ensemble, GlobalMeshBatch, Strategy):
   """Member i is initialised from `member_rng(rng, i)` and lives on `ensemble` shard i // k.
 
   The train step runs under `shard_map`: each device steps its k members with
@@ -61,9 +53,6 @@ class ShardedEnsemble(GlobalMeshBatch, Strategy):
   metric means inside a member), never over `ensemble`. Eval and predict
   vectorise the local members so that ensemble means can use a named axis.
   """
-
-  is_ensemble = True
-  spans_processes = True
 
   def __init__(self, num_members: int, mesh_shape: Sequence[int] = (-1, 1), loop: str = "",
                devices: Sequence[jax.Device] | None = None):
@@ -104,10 +93,9 @@ class ShardedEnsemble(GlobalMeshBatch, Strategy):
 
   @classmethod
   def from_config(cls, config: ml_collections.ConfigDict) -> ShardedEnsemble:
-    s = config.strategy
-    return cls(num_members=config.get("ensemble_size", jax.device_count()),
-               mesh_shape=s.get("ensemble_mesh_shape", (-1, 1)),
-               loop=s.get("ensemble_loop", ""))
+    return cls(num_members=config.ensemble_size or jax.device_count(),
+               mesh_shape=config.strategy.ensemble_mesh_shape,
+               loop=config.strategy.ensemble_loop)
 
   @property
   def num_data_replicas(self) -> int:
@@ -130,7 +118,7 @@ class ShardedEnsemble(GlobalMeshBatch, Strategy):
     return unrolled
 
   def create_state(self, init_fn: InitFn, rng: jax.Array) -> PyTree:
-    rngs = jax.vmap(lambda i: member_rng(rng, i))(jnp.arange(self.num_members))
+    rngs = self.member_rngs(rng)
     init = (jax.vmap(init_fn) if self.loop == "vmap"
             else lambda r: jax.lax.map(init_fn, r))
     return jax.jit(init, out_shardings=self._member_sharding)(rngs)
@@ -186,12 +174,6 @@ class ShardedEnsemble(GlobalMeshBatch, Strategy):
     return jax.lax.all_gather(tree, DATA, axis=0, tiled=True)
 
   # -- Host views and checkpoints ----------------------------------------------------
-
-  def merge_device_axis(self, metrics: PyTree) -> PyTree:
-    return merge_along_leading_axis(metrics)  # Merging member metrics averages them.
-
-  def outputs_to_host(self, outputs: PyTree) -> PyTree:
-    return first_along_leading_axis(outputs)  # Ensemble means: the same for every member.
 
   def checkpoint_target(self, abstract_state: PyTree) -> PyTree:
     return abstract_with_sharding(abstract_state, self._member_sharding,

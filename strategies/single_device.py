@@ -5,7 +5,8 @@ from __future__ import annotations
 import jax
 import ml_collections
 
-from strategies.base import InitFn, PyTree, StepFn, Strategy, abstract_with_sharding
+from strategies.base import InitFn, PyTree, StepFn, Strategy
+from strategies.tree import abstract_with_sharding
 from strategies.registry import register
 
 

@@ -7,7 +7,8 @@ from typing import Any
 
 import jax
 
-from strategies.base import keypath_str
+from strategies.base import Strategy
+from strategies.tree import keypath_str
 
 PyTree = Any
 
@@ -40,7 +41,7 @@ def _spec(x: jax.Array) -> str:
   return str(spec) if spec is not None else type(x.sharding).__name__
 
 
-def summarize(strategy, state: PyTree) -> str:
+def summarize(strategy: Strategy, state: PyTree) -> str:
   """A table of the state's layout under `strategy`.
 
   Lists every parameter (path, global shape, partition spec, bytes on the

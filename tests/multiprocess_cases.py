@@ -1,7 +1,7 @@
 """The runs that tests train on 2 processes x 4 devices and on 1 process x 8 devices.
 
 Shared by `tests/multiprocess_run.py` (the multi-process side, started by
-`python -m trainer.launch`) and `tests/test_multiprocess.py` (the one-process
+`python -m trainer.distributed.launch`) and `tests/test_multiprocess.py` (the one-process
 reference). Importing this sets up no devices. Each case is a model written
 the Flax examples' way, a config and a stream of global batches that is a pure
 function of (seed, step); each process takes its rows of every batch.

@@ -1,6 +1,6 @@
 """The multi-process side of `tests/test_multiprocess.py`; run it through the launcher:
 
-    python -m trainer.launch --num_processes 2 tests/multiprocess_run.py \
+    python -m trainer.distributed.launch --num_processes 2 tests/multiprocess_run.py \
         --root=R --cases=resnet_dp,lm_fsdp [--num_steps=4] [--step_seconds=0.2]
 
 For each case it trains in `R/<case>` (`case@dir`: in `R/<dir>`), resuming
@@ -17,7 +17,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]
 
-from trainer import devices  # noqa: E402
+from trainer.distributed import devices  # noqa: E402
 
 
 def main() -> None:
@@ -31,7 +31,7 @@ def main() -> None:
 
   import multiprocess_cases as cases
 
-  from trainer.actions import PeriodicCallback
+  from trainer.loop.actions import PeriodicCallback
 
   with devices.naming_the_process():
     for entry in args.cases.split(","):

@@ -169,7 +169,7 @@ def check(command: str, result: subprocess.CompletedProcess) -> None:
   assert result.returncode == 0, output[-5000:]
   assert re.search(EXPECTED_OUTPUT[script_of(command)], result.stdout,
                    flags=re.M), output[-3000:]
-  if "-m trainer.launch" in command:  # Python's INFO logs come from process 0 only.
+  if "-m trainer.distributed.launch" in command:  # Python's INFO logs come from process 0 only.
     info = r"^\[process {}\] I\d{{4}} [\d:.]+ +\d+ \S+\.py:\d+\]"
     assert re.search(info.format(0), result.stdout, flags=re.M), output[-3000:]
     assert not re.search(info.format(1), result.stdout, flags=re.M), output[-3000:]

@@ -7,7 +7,8 @@ import pytest
 from conftest import MLPTrainer, mlp_config, vector_batches
 
 from trainer import Action, FitResult, NonFiniteError, PeriodicCallback
-from trainer.actions import Checkpoint, FiniteGuard
+from trainer.loop import driver
+from trainer.loop.actions import Checkpoint, Produced
 from trainer.checkpoint import Checkpointer
 
 
@@ -19,11 +20,11 @@ class SeenSteps(Action):
     self.reads_state = reads_state
     self.steps, self.finite, self.calls = [], [], 0
 
-  def run(self, loop):
+  def run(self, view):
     self.calls += 1
-    self.steps.append(loop.step)
+    self.steps.append(view.step)
     self.finite.append(bool(np.isfinite(np.asarray(
-        jax.tree.leaves(loop.trainer.strategy.to_canonical(loop.state.params))[0])).all()))
+        jax.tree.leaves(view.canonical(view.state.params))[0])).all()))
 
   def state_dict(self):
     return {"calls": self.calls}
@@ -34,7 +35,7 @@ class SeenSteps(Action):
 
 def test_a_user_action_runs_on_its_schedule_and_fit_returns_a_value():
   seen, ends = SeenSteps(every_steps=2), []
-  callback = PeriodicCallback(lambda loop: ends.append(loop.step), every_steps=5, at_end=True)
+  callback = PeriodicCallback(lambda view: ends.append(view.step), every_steps=5, at_end=True)
   batches = vector_batches(7, 16, 8)
   result = MLPTrainer(mlp_config(eval_every_steps=3)).fit(
       batches, num_steps=7, actions=[seen, callback], eval_batches=lambda: batches[:1])
@@ -65,24 +66,27 @@ def test_the_guard_checks_a_step_before_any_later_action_that_reads_the_state(re
     assert seen.steps == [1, 2, 3] and seen.finite == [True, True, False]
 
 
-def test_a_checkpoint_placed_before_the_guard_would_save_a_non_finite_state(tmp_path):
-  """The order is the rule: the default order never saves step 3 (its NaN state) or later;
-  with the guard last, steps 3 and 4 are saved before the guard sees step 3's flag."""
+def test_no_order_of_actions_saves_a_non_finite_state(tmp_path):
+  """Never saving an unchecked state is the loop's rule, not the order's: with the checkpoint
+  first among the actions, as with the default order, steps 3 (its NaN state) and later are
+  never saved."""
   batches = _nan_at(vector_batches(5, 16, 8), 3)
 
-  class GuardLast(MLPTrainer):
+  class CheckpointFirst(MLPTrainer):
     def default_actions(self, **kwargs):
       actions = super().default_actions(**kwargs)
-      guard = next(a for a in actions if isinstance(a, FiniteGuard))
-      return [a for a in actions if a is not guard] + [guard]
+      save = next(a for a in actions if isinstance(a, Checkpoint))
+      return [save] + [a for a in actions if a is not save]
 
-  for trainer_cls, saved in ((MLPTrainer, [1, 2]), (GuardLast, [1, 2, 3, 4])):
+  for trainer_cls in (MLPTrainer, CheckpointFirst):
     ckpt = Checkpointer(tmp_path / trainer_cls.__name__, every_steps=1, max_to_keep=5)
     with pytest.raises(NonFiniteError):
       trainer_cls(mlp_config()).fit(batches, num_steps=5, checkpointer=ckpt)
-    assert ckpt.all_steps() == saved
-    assert any(isinstance(a, Checkpoint) for a in trainer_cls(mlp_config()).default_actions(
-        checkpointer=ckpt, eval_batches=None, workdir=None))
+    assert ckpt.all_steps() == [1, 2]
+    assert isinstance(trainer_cls(mlp_config()).default_actions(
+        checkpointer=ckpt, eval_batches=None, workdir=None)[0 if trainer_cls is
+                                                             CheckpointFirst else -1],
+                      Checkpoint)
     ckpt.close()
 
 
@@ -103,3 +107,56 @@ def test_two_actions_with_state_and_one_name_are_refused_before_training():
   with pytest.raises(ValueError, match=r"actions \['SeenSteps'\] appear twice"):
     MLPTrainer(mlp_config()).fit(vector_batches(1, 16, 8), num_steps=1,
                                  actions=[SeenSteps(), SeenSteps()])
+
+
+# -- The loop's driver on its own: several steps per call --------------------------------------
+
+
+class Crossings(Action):
+  """Records, at each run, the step and the boundaries the call crossed."""
+
+  def __init__(self, every_steps):
+    super().__init__(every_steps=every_steps)
+    self.runs = []
+
+  def run(self, view):
+    self.runs.append((view.step, view.crossed(self.every_steps)))
+
+
+def test_a_loop_that_advances_three_steps_a_call_misses_no_boundary():
+  actions = {every: Crossings(every) for every in (2, 5, 7)}
+
+  def advance(state, step):  # A call that runs 3 steps, as several steps per call will.
+    return state + 3, {"finite": np.array(True)}, step + 3, None
+
+  result = driver.run(advance, state=0, start=0, num_steps=21, actions=list(actions.values()))
+  assert (result.step, result.state) == (21, 21)
+  assert actions[2].runs == [(3, [2]), (6, [4, 6]), (9, [8]), (12, [10, 12]), (15, [14]),
+                             (18, [16, 18]), (21, [20])]
+  assert actions[5].runs == [(6, [5]), (12, [10]), (15, [15]), (21, [20])]
+  assert actions[7].runs == [(9, [7]), (15, [14]), (21, [21])]
+  for every, action in actions.items():  # Each boundary reported once, none missed.
+    assert [b for _, crossed in action.runs for b in crossed] == list(range(every, 22, every))
+
+
+def test_what_an_action_produces_reaches_later_actions_and_the_result_not_earlier_ones():
+  class Evaluates(Action):
+    def run(self, view):
+      return Produced(eval_results={"loss": float(view.step)}) if view.step % 2 == 0 else None
+
+  class Reads(Action):
+    def __init__(self):
+      super().__init__(every_steps=1)
+      self.seen = []
+
+    def run(self, view):
+      self.seen.append(view.eval_results)
+      return Produced(stop="enough") if view.step == 4 else None
+
+  before, after = Reads(), Reads()
+  result = driver.run(lambda state, step: (state, {"finite": True}, step + 1, None), state=None,
+                      start=0, num_steps=10, actions=[before, Evaluates(), after])
+  assert before.seen == [None] * 4
+  assert after.seen == [None, {"loss": 2.0}, None, {"loss": 4.0}]
+  assert result.eval_history == [(2, {"loss": 2.0}), (4, {"loss": 4.0})]
+  assert (result.step, result.stopped_by) == (4, "enough")

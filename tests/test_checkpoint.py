@@ -18,7 +18,7 @@ import pytest
 from conftest import MLPTrainer, mlp_config, vector_batches
 from jax.sharding import PartitionSpec
 
-from trainer.actions import NonFiniteError
+from trainer.loop.driver import NonFiniteError
 from trainer.checkpoint import Checkpointer, CheckpointError
 
 HERE = pathlib.Path(__file__).resolve().parent

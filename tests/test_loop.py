@@ -22,10 +22,11 @@ from conftest import (
   vector_batches,
 )
 
-from strategies.base import merge_along_leading_axis
+from strategies import Ensemble
+from strategies.tree import merge_along_leading_axis
 from trainer import metrics as metrics_lib
 from trainer.checkpoint import Checkpointer
-from trainer.trainer import BatchKeyError
+from trainer.step.errors import BatchKeyError
 
 
 def _eval_set():
@@ -100,7 +101,7 @@ def test_step_metrics_merge_on_the_host_without_a_jax_op(strategy):
     state, out = step(state, trainer.strategy.put_batch(batch))
     outputs.append(out["metrics"])
   expected = [jax.device_get(m) for m in outputs]
-  if trainer.strategy.is_ensemble:  # clu's own reduction, a lax.scan per metric.
+  if isinstance(trainer.strategy, Ensemble):  # clu's own reduction, a lax.scan per metric.
     expected = [m.reduce() for m in expected]
   else:
     expected = [jax.tree.map(lambda x: x[0], m) for m in expected]

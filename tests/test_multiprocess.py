@@ -1,6 +1,6 @@
 """Multi-process runs: 2 real processes x 4 CPU devices (gloo) against 1 process x 8.
 
-One `python -m trainer.launch --num_processes 2` run (module fixture) trains
+One `python -m trainer.distributed.launch --num_processes 2` run (module fixture) trains
 every case of `tests/multiprocess_cases.py` (jit data parallel with a Linen
 BatchNorm ResNet, an NNX BatchNorm+dropout ensemble with members spread over
 both processes, the FSDP transformer LM) and resumes a checkpoint that one
@@ -30,7 +30,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 def launch(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
   env = dict(os.environ)
   env.pop("XLA_FLAGS", None)  # Each process makes its own 4 devices.
-  return subprocess.run([sys.executable, "-m", "trainer.launch", "--num_processes", "2", *args],
+  return subprocess.run([sys.executable, "-m", "trainer.distributed.launch", "--num_processes", "2", *args],
                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
@@ -135,7 +135,7 @@ def start(root: pathlib.Path, *args: str) -> subprocess.Popen:
   env = dict(os.environ)
   env.pop("XLA_FLAGS", None)
   return subprocess.Popen(
-      [sys.executable, "-m", "trainer.launch", "--num_processes", "2",
+      [sys.executable, "-m", "trainer.distributed.launch", "--num_processes", "2",
        "tests/multiprocess_run.py", f"--root={root}", *args],
       cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
@@ -188,7 +188,7 @@ def test_sigterm_to_one_process_stops_all_at_one_step_with_a_checkpoint(tmp_path
 
 def run_as_slurm_tasks(root: pathlib.Path, *args: str) -> list[str]:
   """Runs tests/multiprocess_run.py as the 2 tasks of a SLURM job step on this machine."""
-  from trainer.launch import free_port
+  from trainer.distributed.launch import free_port
   port, procs = str(free_port()), []
   for task in range(2):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
@@ -245,7 +245,7 @@ def test_sigkill_of_one_process_then_restart_resumes_exactly(tmp_path, one_proce
     ({"TRAINER_DISTRIBUTED": "yes"}, r"TRAINER_DISTRIBUTED='yes' must be 'auto'"),
 ])
 def test_malformed_distributed_settings_name_the_variable(monkeypatch, env, message):
-  from trainer import devices
+  from trainer.distributed import devices
   for name in ("JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "JAX_COORDINATOR_ADDRESS",
                "TRAINER_DISTRIBUTED"):
     monkeypatch.delenv(name, raising=False)
@@ -256,7 +256,7 @@ def test_malformed_distributed_settings_name_the_variable(monkeypatch, env, mess
 
 
 def test_the_environment_names_the_run(monkeypatch):
-  from trainer import devices
+  from trainer.distributed import devices
   for name in ("JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "JAX_COORDINATOR_ADDRESS",
                "TRAINER_DISTRIBUTED"):
     monkeypatch.delenv(name, raising=False)
@@ -273,7 +273,7 @@ def test_the_environment_names_the_run(monkeypatch):
 
 def test_one_process_strategies_are_refused_on_several_and_errors_name_the_process(monkeypatch):
   from strategies import create_strategy
-  from trainer import devices
+  from trainer.distributed import devices
   monkeypatch.setattr(jax, "process_count", lambda: 2)
   monkeypatch.setattr(jax, "process_index", lambda: 1)
   config = cases.config_of("resnet_dp")

@@ -14,7 +14,7 @@ from conftest import cnn_config, image_batches, leaves
 from trainer import ClassificationTrainer
 from trainer import data as data_lib
 from trainer.checkpoint import Checkpointer
-from trainer.model_variables import MissingRngStreamError
+from trainer.step.model_variables import MissingRngStreamError
 
 # -- An RNG stream the Trainer does not draw ----------------------------------------------------
 

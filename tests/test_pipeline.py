@@ -7,9 +7,9 @@ import pytest
 from conftest import cnn_config
 from user_models import NnxBatchNormTrainer
 
-from trainer import pipeline
+from trainer.data import pipeline
 from trainer.checkpoint import Checkpointer
-from trainer.feed import DeviceFeed
+from trainer.data.feed import DeviceFeed
 
 
 def records(n: int, seed: int = 0) -> list[dict]:

@@ -30,7 +30,8 @@ from conftest import (
 )
 
 import models
-from trainer import optim
+from trainer.step import optim
+from trainer.step.recipe import MixedPrecision
 from trainer.checkpoint import Checkpointer
 
 
@@ -234,7 +235,8 @@ def test_float16_scales_the_loss_and_unscales_the_gradients():
     before = np.concatenate([x.ravel() for x in leaves(state.params)])
     after = trainer.fit(batch, num_steps=1, state=state).state
     moved[dtype] = np.concatenate([x.ravel() for x in leaves(after.params)]) - before
-  assert trainer.precision.loss_scale == 2.0 ** 12
+  [precision] = [t.precision for t in trainer.recipe.transforms if isinstance(t, MixedPrecision)]
+  assert precision.loss_scale == 2.0 ** 12
   error = np.linalg.norm(moved["float16"] - moved["float32"]) / np.linalg.norm(moved["float32"])
   assert np.linalg.norm(moved["float32"]) > 0 and error < 0.01, error
 

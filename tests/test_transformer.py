@@ -12,7 +12,7 @@ from jax.sharding import PartitionSpec
 from small_configs import tiny_lm_config
 
 from configs import lm
-from strategies.summary import bytes_per_device, total_bytes
+from strategies.summary import bytes_per_device, summarize, total_bytes
 from trainer.language_model import LanguageModelTrainer, synthetic_token_batches
 
 STEPS = 4
@@ -100,7 +100,7 @@ def test_tensor_parallel_holds_a_quarter_of_the_sharded_weights_per_device():
 
 def test_summary_shows_mesh_specs_and_bytes_per_device():
   trainer, state, _ = _state("fsdp_tensor")
-  text = trainer.strategy.summary(state)
+  text = summarize(trainer.strategy, state)
   assert "mesh (data=2, model=4)" in text
   row = next(line for line in text.splitlines() if "blocks/wi/kernel" in line)
   assert "(2, 32, 64)" in row and "PartitionSpec(None, 'data', 'model')" in row.replace(

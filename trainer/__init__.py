@@ -1,25 +1,28 @@
 """The training loop: `Trainer`, its actions, state, optimizer and metric helpers.
 
-The names below are imported on first use, so that `python -m trainer.launch`
+The names below are imported on first use, so that `python -m trainer.distributed.launch`
 starts processes without loading jax, Flax and TensorFlow itself.
 """
 
 import importlib
 
 _EXPORTS = {
-    "Action": "trainer.actions",
+    "Action": "trainer.loop.actions",
     "ClassificationTrainer": "trainer.classification",
-    "EmaTrainState": "trainer.train_state",
-    "FitResult": "trainer.actions",
+    "EmaTrainState": "trainer.step.train_state",
+    "FitResult": "trainer.loop.actions",
     "LanguageModelTrainer": "trainer.language_model",
-    "Loop": "trainer.actions",
-    "NonFiniteError": "trainer.actions",
-    "PeriodicCallback": "trainer.actions",
-    "TrainState": "trainer.train_state",
+    "NonFiniteError": "trainer.loop.driver",
+    "PeriodicCallback": "trainer.loop.actions",
+    "Produced": "trainer.loop.actions",
+    "Recipe": "trainer.step.recipe",
+    "StepTransform": "trainer.step.recipe",
+    "StepView": "trainer.loop.actions",
+    "TrainState": "trainer.step.train_state",
     "Trainer": "trainer.trainer",
-    "create_optimizer": "trainer.optim",
-    "create_schedule": "trainer.optim",
-    "pad_batch": "trainer.trainer",
+    "create_optimizer": "trainer.step.optim",
+    "create_schedule": "trainer.step.optim",
+    "pad_batch": "trainer.evaluation",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -6,8 +6,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from strategies import Ensemble
 from trainer import metrics as metrics_lib
-from trainer.trainer import MASK_KEY, Batch, Trainer
+from trainer.evaluation import MASK_KEY
+from trainer.trainer import Batch, Trainer
 
 
 class ClassificationTrainer(Trainer):
@@ -35,7 +37,7 @@ class ClassificationTrainer(Trainer):
     probs = jax.nn.softmax(logits, axis=-1)
     member_argmax = jnp.argmax(probs, -1)
     member_correct = (member_argmax == labels).astype(jnp.float32)
-    if not self.strategy.is_ensemble:
+    if not isinstance(self.strategy, Ensemble):
       return metrics_lib.ClassificationEvalMetrics.single_from_model_output(
           correct=member_correct, nll=metrics_lib.nll(probs, labels), probs=probs,
           labels=labels, mask=mask)

@@ -6,8 +6,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import optax
-from flax import struct
 from flax.training import train_state
 
 
@@ -35,19 +33,9 @@ class TrainState(train_state.TrainState):
 class EmaTrainState(TrainState):
   """A TrainState that also keeps an exponential moving average of the parameters.
 
-  After every update `ema_params = decay * ema_params + (1 - decay) * params`,
-  starting from the initial parameters. The average is part of the state, so
-  it is checkpointed, restored under any strategy and laid out like `params`.
+  The recipe's `Ema` transform sets `ema_params` to the initial parameters and
+  updates it after every update. The average is part of the state, so it is
+  checkpointed, restored under any strategy and laid out like `params`.
   """
 
   ema_params: Any = None
-  ema_decay: float = struct.field(pytree_node=False, default=0.0)
-
-  @classmethod
-  def create(cls, *, params, ema_decay: float, **kwargs: Any) -> EmaTrainState:
-    return super().create(params=params, ema_params=params, ema_decay=ema_decay, **kwargs)
-
-  def apply_gradients(self, *, grads, **kwargs: Any) -> EmaTrainState:
-    new = super().apply_gradients(grads=grads, **kwargs)
-    return new.replace(ema_params=optax.incremental_update(new.params, self.ema_params,
-                                                           1.0 - self.ema_decay))

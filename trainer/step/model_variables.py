@@ -46,7 +46,7 @@ import flax.linen as nn
 import jax
 from flax import nnx
 
-from strategies.base import BATCH_AXIS
+from strategies.mesh import BATCH_AXIS
 
 PyTree = Any
 Rngs = Mapping[str, jax.Array]

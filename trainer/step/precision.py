@@ -5,7 +5,9 @@ floating inputs are cast to the compute dtype for the forward and backward
 pass, outputs are cast back to float32 before the loss, and gradients arrive
 in float32 (the transpose of the cast) for a float32 optimizer update. The
 model's state (BatchNorm statistics) stays float32. Set by
-`config.mixed_precision.{compute_dtype, loss_scale}`.
+`config.mixed_precision.{compute_dtype, loss_scale}`; the recipe's
+`MixedPrecision` transform applies it where the forward pass and the loss
+are built.
 """
 
 from __future__ import annotations
@@ -31,17 +33,16 @@ class Precision:
 
   @classmethod
   def from_config(cls, config: ml_collections.ConfigDict) -> Precision:
-    """Reads `config.mixed_precision`; absent means float32.
+    """Reads `config.mixed_precision`.
 
     Raises:
       ValueError: an unknown compute dtype or a non-positive loss scale.
     """
-    mp = config.get("mixed_precision") or ml_collections.ConfigDict()
-    name = mp.get("compute_dtype", "float32")
+    name = config.mixed_precision.compute_dtype
     if name not in COMPUTE_DTYPES:
       raise ValueError(f"config.mixed_precision.compute_dtype={name!r} is not one of "
                        f"{COMPUTE_DTYPES}.")
-    scale = mp.get("loss_scale", 0.0) or (2.0 ** 12 if name == "float16" else 1.0)
+    scale = config.mixed_precision.loss_scale or (2.0 ** 12 if name == "float16" else 1.0)
     if scale <= 0:
       raise ValueError(f"config.mixed_precision.loss_scale={scale!r} must be positive "
                        f"(0: 2**12 for float16, 1 otherwise).")

@@ -8,7 +8,7 @@ fails its check raises when its step comes, not earlier, so the steps
 before it run and save as they would have.
 
 A data iterator with `get_state()` / `set_state()` (a Grain iterator, see
-`trainer.pipeline`) is checkpointable: the feed records its state right after
+`trainer.data.pipeline`) is checkpointable: the feed records its state right after
 each batch is read, so the state saved with checkpoint `s` is the iterator's
 position after the batch of step `s - 1`, however far the feed has read ahead.
 """

@@ -53,10 +53,9 @@ def create_schedule(config: ml_collections.ConfigDict, num_train_steps: int) -> 
   lr = config.learning_rate
   if not isinstance(lr, (int, float)) or lr <= 0:
     raise ValueError(f"config.learning_rate={lr!r} must be a positive number.")
-  s = config.get("schedule") or ml_collections.ConfigDict()
-  name = s.get("name", "constant")
-  warmup = s.get("warmup_steps", 0)
-  end = lr * s.get("end_factor", 0.0)
+  name = config.schedule.name
+  warmup = config.schedule.warmup_steps
+  end = lr * config.schedule.end_factor
   if name not in SCHEDULES:
     raise ValueError(f"config.schedule.name={name!r} is not one of {SCHEDULES}.")
   if not isinstance(warmup, int) or warmup < 0:
@@ -85,9 +84,9 @@ def create_optimizer(config: ml_collections.ConfigDict, schedule: optax.Schedule
   Raises:
     ValueError: an unknown optimizer name, or a negative clip norm or decay.
   """
-  name = config.get("optimizer", "sgd")
-  clip = config.get("grad_clip_norm", 0.0) or 0.0
-  decay = config.get("weight_decay", 0.0) or 0.0
+  name = config.optimizer
+  clip = config.grad_clip_norm or 0.0
+  decay = config.weight_decay or 0.0
   if name not in OPTIMIZERS:
     raise ValueError(f"config.optimizer={name!r} is not supported; choose one of: "
                      f"{', '.join(OPTIMIZERS)}.")
@@ -101,7 +100,7 @@ def create_optimizer(config: ml_collections.ConfigDict, schedule: optax.Schedule
   else:
     if decay:
       parts.append(optax.add_decayed_weights(decay, mask=decay_mask))
-    parts.append(optax.sgd(schedule, momentum=config.get("momentum") or None) if name == "sgd"
+    parts.append(optax.sgd(schedule, momentum=config.momentum or None) if name == "sgd"
                  else optax.adam(schedule))
   # One part stays unchained, so a plain optimizer's state has the plain layout.
   return parts[0] if len(parts) == 1 else optax.chain(*parts)

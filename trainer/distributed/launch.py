@@ -1,11 +1,11 @@
 r"""Starts one training script as several jax.distributed processes on this machine.
 
-    python -m trainer.launch --num_processes 2 examples/mnist_ensemble.py \
+    python -m trainer.distributed.launch --num_processes 2 examples/mnist_ensemble.py \
         --config=configs/mnist_ensemble.py --workdir=/tmp/mnist_2x4
 
 Each process runs `python SCRIPT ARGS...` with the environment a cluster
 scheduler would give it (`JAX_COORDINATOR_ADDRESS`, `JAX_NUM_PROCESSES`,
-`JAX_PROCESS_ID`; see `trainer.devices`), and its output lines prefixed with
+`JAX_PROCESS_ID`; see `trainer.distributed.devices`), and its output lines prefixed with
 `[process i]`. On a real cluster run the script itself on every host instead,
 with those variables set, or with `TRAINER_DISTRIBUTED=auto` where
 `jax.distributed.initialize()` detects the cluster (SLURM, Cloud TPU pods).
@@ -37,7 +37,7 @@ def free_port() -> int:
 
 def process_env(process_id: int, num_processes: int, coordinator: str) -> dict[str, str]:
   """The environment of process `process_id`: this one's plus the distributed settings
-  that `trainer.devices.initialize` reads (named there; repeated here so that the
+  that `trainer.distributed.devices.initialize` reads (named there; repeated here so that the
   launcher itself imports no jax)."""
   env = dict(os.environ)
   env.pop("TRAINER_DISTRIBUTED", None)
@@ -101,8 +101,8 @@ def launch(script_and_args: list[str], num_processes: int, port: int = 0) -> int
 
 def main(argv: list[str] | None = None) -> int:
   parser = argparse.ArgumentParser(
-      prog="python -m trainer.launch", description=__doc__.split("\n\n")[0],
-      usage="python -m trainer.launch --num_processes N SCRIPT [ARGS...]")
+      prog="python -m trainer.distributed.launch", description=__doc__.split("\n\n")[0],
+      usage="python -m trainer.distributed.launch --num_processes N SCRIPT [ARGS...]")
   parser.add_argument("--num_processes", type=int, required=True,
                       help="how many processes to start (each gets its share of the devices)")
   parser.add_argument("--port", type=int, default=0,

@@ -1,4 +1,4 @@
-"""Checkpoints through orbax, in one layout that does not depend on the strategy.
+"""The checkpoint store: orbax, in one layout that does not depend on the strategy.
 
 On disk a checkpoint step holds two items:
 
@@ -29,7 +29,7 @@ import ml_collections
 import orbax.checkpoint as ocp
 from flax import serialization
 
-from strategies.base import keypath_str
+from strategies.tree import keypath_str
 
 PyTree = Any
 
@@ -174,11 +174,13 @@ class Checkpointer:
   @classmethod
   def from_config(cls, config: ml_collections.ConfigDict, workdir: str) -> Checkpointer:
     """A checkpointer in `<workdir>/checkpoints` from `config.checkpoint`."""
-    c = config.checkpoint
-    return cls(os.path.join(workdir, "checkpoints"), every_steps=c.every_steps,
-               max_to_keep=c.max_to_keep, async_save=c.get("async_save", True),
-               best_metric=c.get("best_metric", ""), best_mode=c.get("best_mode", "max"),
-               keep_best=c.get("keep_best", 1))
+    return cls(os.path.join(workdir, "checkpoints"),
+               every_steps=config.checkpoint.every_steps,
+               max_to_keep=config.checkpoint.max_to_keep,
+               async_save=config.checkpoint.async_save,
+               best_metric=config.checkpoint.best_metric,
+               best_mode=config.checkpoint.best_mode,
+               keep_best=config.checkpoint.keep_best)
 
   # -- Steps -------------------------------------------------------------------
 
@@ -288,10 +290,6 @@ class Checkpointer:
     if layout.get("version") != LAYOUT_VERSION or "num_members" not in layout:
       raise self._read_error(step, ValueError(f"unknown layout {layout}"))
     return layout
-
-  def action_states(self, step: int) -> dict[str, Any]:
-    """The loop actions' state saved with checkpoint `step` (empty if none)."""
-    return dict(self.layout(step).get("actions") or {})
 
   def data_state(self, step: int) -> Any:
     """The train data iterator's state saved with checkpoint `step` (None if none)."""

@@ -4,7 +4,7 @@ A run is one process (the default) or several that form one global device set
 through `jax.distributed`. `initialize` decides which from the environment:
 
 - `JAX_NUM_PROCESSES` and `JAX_PROCESS_ID` (with `JAX_COORDINATOR_ADDRESS`,
-  `host:port` of process 0), as `python -m trainer.launch` sets them, or as a
+  `host:port` of process 0), as `python -m trainer.distributed.launch` sets them, or as a
   user sets them on each host of a cluster;
 - `TRAINER_DISTRIBUTED=auto`: `jax.distributed.initialize()` with no
   arguments, which finds its settings itself on SLURM, Open MPI, Kubernetes

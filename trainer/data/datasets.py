@@ -64,7 +64,7 @@ def check_idx_file(path: str, magic: int, shape: tuple[int, ...]) -> None:
 
 
 #: The file formats TFDS prepares in: tfrecord (read through tf.data) or array_record
-#: (random access through `tfds.data_source`, which `trainer.pipeline` needs).
+#: (random access through `tfds.data_source`, which `trainer.data.pipeline` needs).
 FILE_FORMATS = ("tfrecord", "array_record")
 
 

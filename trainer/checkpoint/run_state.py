@@ -1,0 +1,91 @@
+"""Everything a run saves and resumes, as one object saved and restored in one call.
+
+A `RunState` is the train state, its step, the train data iterator's position
+and the loop actions' JSON states (and, at an evaluation, its results, which
+rank the best checkpoints). `save_run` writes it through the strategy's
+checkpoint layout; `restore_run` reads it back into any strategy that can
+hold it, one member of an ensemble included.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from strategies import Strategy
+from trainer.checkpoint.store import CheckpointError, Checkpointer
+
+PyTree = Any
+
+
+@dataclasses.dataclass(frozen=True)
+class RunState:
+  """A run at a step: what a checkpoint holds.
+
+  Attributes:
+    state: the placed train state.
+    step: the number of updates done.
+    data: the train data iterator's position after the batch of step
+      `step - 1` (a checkpointable iterator's `get_state()`), or None.
+    actions: the loop actions' JSON state, by action name.
+    metrics: the eval results at `step`, if an evaluation ran there.
+  """
+
+  state: Any
+  step: int
+  data: Any = None
+  actions: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+  metrics: Mapping[str, float] | None = None
+
+
+def _models(num_members: int) -> str:
+  return f"{num_members} models" if num_members else "a single model"
+
+
+def save_run(checkpointer: Checkpointer, strategy: Strategy, run: RunState) -> None:
+  """Starts an asynchronous save of `run` as checkpoint `run.step`."""
+  checkpointer.save(run.step, strategy.checkpoint_state(run.state),
+                    strategy.checkpoint_layout(), metrics=run.metrics,
+                    action_states=run.actions, data_state=run.data)
+
+
+def restore_run(checkpointer: Checkpointer, strategy: Strategy, abstract_state: PyTree, *,
+                step: int | None = None, member: int | None = None) -> RunState:
+  """Restores a checkpoint written under any strategy into `strategy`.
+
+  Args:
+    abstract_state: the abstract state of one model (`jax.eval_shape` of init).
+    step: which checkpoint; the latest complete one if None.
+    member: with an ensemble checkpoint and a single-model strategy, the
+      member to restore.
+
+  Raises:
+    CheckpointError: no checkpoint, an unreadable one, a different model, or
+      a member layout this strategy cannot hold.
+  """
+  step = checkpointer.latest_step() if step is None else step
+  if step is None:
+    raise CheckpointError(f"no complete checkpoint in {checkpointer.directory}.")
+  layout = checkpointer.layout(step)
+  saved, where = layout["num_members"], checkpointer.step_dir(step)
+  ours = strategy.checkpoint_layout()["num_members"]
+  target = strategy.checkpoint_target(abstract_state)
+  if saved and not ours:
+    if member is None or not 0 <= member < saved:
+      raise CheckpointError(
+          f"checkpoint {where} holds an ensemble of {saved} members and strategy "
+          f"{strategy.name!r} holds one model; pass member=i with 0 <= i < {saved} (got "
+          f"{member}) to restore one of them.")
+    restored = strategy.restore_member(lambda t: checkpointer.restore(step, t), target,
+                                       num_saved=saved, member=member)
+  elif saved != ours:
+    raise CheckpointError(
+        f"checkpoint {where} holds {_models(saved)} (written by {layout.get('strategy')!r}) "
+        f"but strategy {strategy.name!r} holds {_models(ours)}; an ensemble restores into "
+        f"an ensemble of the same size, or one member of it into a single-model strategy.")
+  else:
+    restored = checkpointer.restore(step, target)
+  # `restored` is a train state whose static fields (apply_fn, tx) are this trainer's.
+  return RunState(strategy.from_checkpoint(restored), step, data=layout.get("data"),
+                  actions=dict(layout.get("actions") or {}))

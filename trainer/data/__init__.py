@@ -1,0 +1,26 @@
+"""Data: TFDS datasets (`datasets`), the Grain pipeline (`pipeline`), and the device feed
+that places train batches ahead of their step (`feed`).
+
+The names below are `datasets`' public ones, so `from trainer import data` then
+`data.prepare(...)` reads as before the package existed.
+"""
+
+from trainer.data.datasets import (
+  FILE_FORMATS,
+  MANUAL_DIR_ENV,
+  MANUAL_FILES,
+  MNIST_FILES,
+  Split,
+  check_idx_file,
+  check_reachable,
+  data_source,
+  eval_batches,
+  load_split,
+  num_train_steps,
+  prepare,
+  train_batches,
+)
+
+__all__ = ["FILE_FORMATS", "MANUAL_DIR_ENV", "MANUAL_FILES", "MNIST_FILES", "Split",
+           "check_idx_file", "check_reachable", "data_source", "eval_batches", "load_split",
+           "num_train_steps", "prepare", "train_batches"]

@@ -1,0 +1,1 @@
+"""The training loop (`driver`) and its side effects (`actions`)."""

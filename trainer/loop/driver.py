@@ -1,0 +1,142 @@
+"""The training loop: advance the state, run the actions, assemble the result.
+
+`run` is the whole loop. `advance(state, step)` runs one compiled call (one
+train step today; several in one call fit the same loop) and returns the new
+state, the call's outputs, the new step and the data position. After each
+call every action whose trigger holds runs, in order, on an immutable
+`StepView`; what it returns is folded into the view the next action sees and
+into the `FitResult`.
+
+One rule belongs to the loop rather than to any action: no action that reads
+the state (`Action.needs_checked_step`) ever sees a non-finite one. The
+`finite` flag of a call is checked after the next call is queued, so the host
+never waits for a step, except right before such an action and at the end.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from trainer.loop.actions import Action, FitResult, Produced, StepView
+
+PyTree = Any
+#: `(state, step) -> (state, outputs, new step, data position)`: one compiled call.
+Advance = Callable[[Any, int], tuple[Any, PyTree, int, Any]]
+
+
+class NonFiniteError(FloatingPointError):
+  """A train step produced a non-finite loss or gradient norm under `nonfinite='stop'`."""
+
+
+class FiniteCheck:
+  """Reads each call's `finite` flag, one call behind: raises, or counts skipped updates.
+
+  Args:
+    skip: the recipe leaves non-finite updates out (`nonfinite='skip'`): count
+      them instead of raising.
+    to_host: the strategy's host view of a flag (per replica or per member).
+    which_models: names the members whose flags are False (ensembles).
+    saved_note: says which checkpoint is the last finite state, for the error.
+  """
+
+  def __init__(self, *, skip: bool, to_host: Callable[[Any], Any],
+               which_models: Callable[[np.ndarray], str], saved_note: Callable[[], str]):
+    self.skip, self.to_host, self.which_models = skip, to_host, which_models
+    self.saved_note = saved_note
+    self._unchecked: list[tuple[int, Any]] = []
+    self.skipped = 0
+
+  def push(self, step: int, flag: Any) -> int:
+    """Checks the calls before this one and keeps this one's flag; returns updates skipped."""
+    skipped = self.settle()
+    self._unchecked.append((step, flag))
+    return skipped
+
+  def settle(self) -> int:
+    """Checks every flag not yet checked (waiting for its call); returns updates skipped."""
+    skipped = 0
+    while self._unchecked:
+      step, flag = self._unchecked.pop(0)
+      ok = np.ravel(self.to_host(flag))
+      if ok.all():
+        continue
+      if not self.skip:
+        raise NonFiniteError(
+            f"step {step}{self.which_models(ok)}: the loss or the gradient norm is not "
+            f"finite, so training stopped (config.nonfinite='stop'; 'skip' would leave such "
+            f"updates out); {self.saved_note()}.")
+      skipped += 1
+      self.skipped += 1
+      logging.warning("Step %d%s: non-finite loss or gradient norm; update skipped "
+                      "(%d so far)", step, self.which_models(ok), self.skipped)
+    return skipped
+
+
+def _fold(view: StepView, produced: Produced | None, result: FitResult) -> StepView:
+  """The view the next action sees, and the result, with what an action produced."""
+  if produced is None:
+    return view
+  changes: dict[str, Any] = {}
+  if produced.eval_results is not None:
+    result.eval_history.append((view.step, dict(produced.eval_results)))
+    changes.update(eval_results=produced.eval_results,
+                   eval_seconds=view.eval_seconds + produced.eval_seconds)
+  if produced.best is not None:
+    result.best = produced.best
+  if produced.stop is not None and view.stop_reason is None:
+    logging.info("Stop requested at step %d: %s", view.step, produced.stop)
+    changes.update(stop_reason=produced.stop, preempted=produced.preempted)
+  return dataclasses.replace(view, **changes) if changes else view
+
+
+def run(advance: Advance, *, state: Any, start: int, num_steps: int,
+        actions: Sequence[Action], finite: FiniteCheck | None = None,
+        canonical: Callable[[PyTree], PyTree] = lambda tree: tree) -> FitResult:
+  """Advances from `start` until `num_steps` (or a requested stop), running the actions.
+
+  Each action's `begin` runs before the first call, its `run` after each call
+  at which it triggers, its `end` after the last call, and its `close`
+  always, last, also after an error.
+  """
+  result = FitResult(state=state, step=start)
+
+  def action_states():
+    return {a.name: s for a in actions if (s := a.state_dict()) is not None}
+
+  view = StepView(step=start, previous_step=start, num_steps=num_steps, start_step=start,
+                  state=state, canonical=canonical, action_states=action_states)
+
+  def checked(view: StepView) -> StepView:
+    skipped = finite.settle() if finite else 0
+    return dataclasses.replace(view, skipped_steps=view.skipped_steps + skipped)
+
+  begun: list[Action] = []
+  try:
+    for action in actions:
+      view = _fold(view, action.begin(view), result)
+      begun.append(action)
+    while view.step < num_steps and view.stop_reason is None:
+      state, outputs, step, data_state = advance(view.state, view.step)
+      skipped = finite.push(step, outputs["finite"]) if finite else 0
+      view = dataclasses.replace(
+          view, step=step, previous_step=view.step, state=state, outputs=outputs,
+          eval_results=None, data_state=data_state, skipped_steps=view.skipped_steps + skipped)
+      for action in actions:
+        if action.triggers(view):
+          if action.needs_checked_step(view):
+            view = checked(view)
+          view = _fold(view, action.run(view), result)
+    view = checked(view)
+    for action in actions:
+      view = _fold(view, action.end(view), result)
+  finally:
+    for action in reversed(begun):
+      action.close()
+  result.state, result.step = view.state, view.step
+  result.stopped_by, result.skipped_steps = view.stop_reason, view.skipped_steps
+  return result

@@ -1,0 +1,185 @@
+"""The pure step functions (init, train, eval, predict), built once from the Trainer's parts.
+
+They are written in single-replica terms: the strategy compiles them (pmap,
+or jit over a mesh) and provides the collectives they call, which are
+identities on a single device. The train step is the recipe's four stages
+(`trainer.step.recipe`): forward, loss, gradients, update.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from strategies import Strategy
+from strategies.mesh import bind_size_one_batch_axis
+from trainer.step.errors import explaining_errors
+from trainer.step.model_variables import RngStreams
+from trainer.step.recipe import Recipe
+from trainer.step.stages import Batch, GradFn, LossFn, StepAux
+
+PyTree = Any
+
+#: Folded into `state.rng` for the RNG streams of eval and predict (never a train step).
+EVAL_RNG_TAG = 0x7FFFFFFF
+
+
+def batch_size_of(batch: Batch) -> int:
+  """The leading dimension shared by a batch's arrays."""
+  return int(np.shape(jax.tree.leaves(batch)[0])[0])
+
+
+def _value_and_grad(loss_fn: LossFn) -> GradFn:
+  grad = jax.value_and_grad(loss_fn, has_aux=True)
+
+  def grad_fn(params, model_state, batch, key):
+    (_, aux), grads = grad(params, model_state, batch, key)
+    return grads, aux
+
+  return grad_fn
+
+
+def _apply_update(state, grads, aux: StepAux, finite):
+  del finite
+  return state.apply_gradients(grads=grads).replace(model_state=aux.model_state)
+
+
+class StepFunctions:
+  """`init_fn`, `train`, `eval` and `predict` of one Trainer.
+
+  Args:
+    hooks: the Trainer, whose hooks (`apply_model`, `loss`, metrics,
+      `prediction`, `model_inputs`, `step_rngs`, `create_train_state`) the
+      steps call while they are traced.
+    strategy: the collectives the steps call.
+    init_model: `(rngs, inputs) -> (params, model_state)` of a new model.
+    recipe: the transforms the train step is built from.
+  """
+
+  def __init__(self, hooks: Any, strategy: Strategy,
+               init_model: Callable[[Any, Any], tuple[PyTree, PyTree]], recipe: Recipe):
+    self.hooks, self.strategy, self.recipe = hooks, strategy, recipe
+    self._init_model = init_model
+    self.forward = recipe.forward(
+        lambda params, model_state, batch, rngs, train: hooks.apply_model(
+            params, model_state, batch, rngs=rngs, train=train))
+    self._gradients = recipe.gradients(_value_and_grad(recipe.loss(self._loss)), strategy)
+    self._update = recipe.update(_apply_update)
+
+  # -- Init --------------------------------------------------------------------------
+
+  def init_fn(self, example_batch: Batch) -> Callable[[jax.Array], Any]:
+    """`rng -> train state` for a model fed batches shaped like `example_batch`."""
+    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype),
+                          dict(example_batch))
+    hooks = self.hooks
+
+    def init(rng: jax.Array, zeros: Batch):
+      params_rng, state_rng = jax.random.split(rng)
+      rngs = RngStreams(params=params_rng, **hooks.step_rngs(params_rng))
+      inputs = hooks.model_inputs(zeros, train=False, rngs=rngs)
+      # Bound (size 1) so a model that names the batch axis also inits outside a step.
+      params, model_state = bind_size_one_batch_axis(
+          lambda inputs: self._init_model(rngs, inputs), inputs)
+      state = hooks.create_train_state(params=params, model_state=model_state, rng=state_rng)
+      return self.recipe.init_state(state)
+
+    init = explaining_errors(init, hooks)
+    return lambda rng: init(rng, jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes))
+
+  # -- Train ---------------------------------------------------------------------------
+
+  def per_example_loss(self, outputs: Any, batch: Batch) -> jax.Array:
+    """The `loss` hook, checked (while tracing) to give one loss per example."""
+    loss = self.hooks.loss(outputs, batch)
+    n = batch_size_of(batch)
+    if jnp.ndim(loss) != 1 or jnp.shape(loss)[0] != n:
+      raise ValueError(
+          f"{type(self.hooks).__name__}.loss returned shape {tuple(jnp.shape(loss))} for a "
+          f"batch of {n} examples (the part one data replica sees); it must return one loss "
+          f"per example, shape ({n},). The Trainer takes the mean itself, over data replicas "
+          f"too: return the per-example values (e.g. a per-token loss averaged over tokens "
+          f"only), not their mean.")
+    return loss
+
+  def _loss(self, params, model_state, batch, key) -> tuple[jax.Array, StepAux]:
+    outputs, new_model_state = self.forward(params, model_state, batch,
+                                            self.hooks.step_rngs(key), True)
+    per_example = self.per_example_loss(outputs, batch)
+    mean = jnp.mean(per_example)
+    return mean, StepAux(mean, new_model_state,
+                         self.hooks.train_metrics(outputs, batch, per_example))
+
+  def train(self, state, batch: Batch) -> tuple[Any, PyTree]:
+    """One optimizer update: `(state, batch) -> (state, {'metrics', 'finite'})`.
+
+    `finite` says whether the mean loss and the gradient norm were finite.
+    """
+    s = self.strategy
+    key = s.replica_rng(jax.random.fold_in(state.rng, state.step))
+    grads, aux = self._gradients(state.params, state.model_state, batch, key)
+    grads = s.mean_over_data(grads)
+    finite = jnp.isfinite(s.mean_over_data(aux.loss)) & jnp.isfinite(optax.tree.norm(grads))
+    return self._update(state, grads, aux, finite), {
+        "metrics": s.merge_metrics_over_data(aux.metrics), "finite": finite}
+
+  # -- Eval and predict ------------------------------------------------------------------
+
+  def eval_outputs(self, state, batch: Batch) -> Any:
+    """The model's outputs in eval mode, with RNG streams of their own (fixed per state)."""
+    key = self.strategy.replica_rng(jax.random.fold_in(state.rng, EVAL_RNG_TAG))
+    outputs, _ = self.forward(state.params, state.model_state, batch,
+                              self.hooks.step_rngs(key), False)
+    return outputs
+
+  def eval(self, state, batch: Batch) -> PyTree:
+    """Metrics of one padded eval batch."""
+    outputs = self.eval_outputs(state, batch)
+    return self.strategy.merge_metrics_over_data(self.hooks.eval_metrics(outputs, batch))
+
+  def predict(self, state, batch: Batch) -> jax.Array:
+    """Predictions, averaged over ensemble members where there are several."""
+    outputs = self.eval_outputs(state, batch)
+    return self.strategy.mean_over_members(
+        self.strategy.whole_batch(self.hooks.prediction(outputs)))
+
+
+class CompiledSteps:
+  """The strategy's compiled train, eval and predict steps, each compiled once on first use.
+
+  Each compiles the hooks' `train_step` / `eval_step` / `predict_step`, so a
+  Trainer subclass that overrides one is compiled with its override.
+  """
+
+  def __init__(self, hooks: Any, strategy: Strategy):
+    self._hooks, self._strategy = hooks, strategy
+    self._train = self._eval = self._predict = None
+
+  def train(self, state) -> Callable:
+    """The compiled `(state, placed batch) -> (state, outputs)`, donating the state.
+
+    `state` is a placed state whose layout the compiled step keeps.
+    """
+    if self._train is None:
+      self._train = self._strategy.compile_train_step(
+          explaining_errors(self._hooks.train_step, self._hooks), state)
+    return self._train
+
+  def eval(self, state) -> Callable:
+    """The compiled `(state, placed batch) -> metrics`."""
+    if self._eval is None:
+      self._eval = self._strategy.compile_eval_step(
+          explaining_errors(self._hooks.eval_step, self._hooks), state)
+    return self._eval
+
+  def predict(self, state) -> Callable:
+    """The compiled `(state, placed batch) -> predictions`."""
+    if self._predict is None:
+      self._predict = self._strategy.compile_eval_step(
+          explaining_errors(self._hooks.predict_step, self._hooks), state)
+    return self._predict
