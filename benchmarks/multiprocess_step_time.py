@@ -5,7 +5,7 @@ r"""Train-step time on 2 processes x 4 devices against 1 process x 8 devices, in
 For each workload the same config runs twice per round: in one process with 8
 CPU devices, and through `python -m trainer.distributed.launch --num_processes 2` (gloo
 collectives between the processes, 4 devices each). Each process feeds its
-own rows of every batch (`Strategy.process_slice`), as a multi-host run does.
+own rows of every batch (the strategy's `process_slice`), as a multi-host run does.
 Steps are timed after compilation and warm-up, through `Trainer.fit` with a
 bare loop of actions (no logging, eval or checkpoints), so the figure
 includes placing the batches; the median over rounds is shown with the ratio
@@ -56,8 +56,8 @@ def worker(args) -> None:
   from mnist_setup import MNISTTrainer, random_batches
 
   from trainer import LanguageModelTrainer
-  from trainer.loop.actions import Action
   from trainer.language_model import synthetic_token_batches
+  from trainer.loop.actions import Action
 
   config = _config(args.workload, args.batch)
   if args.workload == "lm_fsdp":

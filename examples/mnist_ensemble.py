@@ -47,8 +47,8 @@ def train_and_evaluate(config, workdir: str) -> dict[str, float] | None:
   """
   import models
   from trainer import ClassificationTrainer, data, writers
-  from trainer.data import pipeline
   from trainer.checkpoint import Checkpointer
+  from trainer.data import pipeline
 
   class MNISTTrainer(ClassificationTrainer):
     def build_model(self):

@@ -2,7 +2,7 @@
 
 from strategies.base import Strategy
 from strategies.capabilities import Ensemble, member_rng
-from strategies.mesh import BATCH_AXIS, GlobalMeshBatch
+from strategies.mesh import BATCH_AXIS, GlobalMeshBatch, OneProcess
 from strategies.pmap_data_parallel import PmapDataParallel
 from strategies.pmap_ensemble import PmapEnsemble
 from strategies.registry import available, check_processes, create_strategy, register
@@ -14,6 +14,7 @@ __all__ = [
     "BATCH_AXIS",
     "Ensemble",
     "GlobalMeshBatch",
+    "OneProcess",
     "PmapDataParallel",
     "PmapEnsemble",
     "ShardedDataParallel",

@@ -5,9 +5,10 @@ answers every question about devices: how state is created and placed, how a
 host batch becomes device arrays, how a step is compiled, which collectives the
 step needs, and how device results come back to the host in a layout that does
 not depend on the strategy. The collectives default to identities, which is
-exactly what the single-device reference needs. Optional capabilities
-(ensembles, a batch spread over processes) are mixins in
-`strategies.capabilities` and `strategies.mesh`.
+exactly what the single-device reference needs. Capabilities are mixins in
+`strategies.capabilities`: every strategy has a process layout (`OneProcess`,
+or `GlobalMeshBatch` for a batch spread over processes), and ensemble
+strategies are an `Ensemble`.
 """
 
 from __future__ import annotations
@@ -18,11 +19,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 
 from strategies.mesh import bind_size_one_batch_axis
-from strategies.tree import abstract_with_sharding, to_host
+from strategies.tree import to_host
 
 PyTree = Any
 InitFn = Callable[[jax.Array], PyTree]
@@ -40,9 +39,6 @@ class Strategy(abc.ABC):
   #: The name the strategy is registered under (`config.strategy.name`).
   name: str = ""
 
-  #: Whether the strategy's devices may belong to several processes (`jax.distributed`).
-  spans_processes: bool = False
-
   @property
   @abc.abstractmethod
   def num_data_replicas(self) -> int:
@@ -57,26 +53,6 @@ class Strategy(abc.ABC):
           f"{replicas} data replicas of strategy {self.name!r}; "
           f"try {max(replicas, global_batch_size - global_batch_size % replicas)}.")
 
-  # -- Process layout ----------------------------------------------------------
-
-  def process_rows(self) -> tuple[int, int]:
-    """`(index, count)`: this process feeds block `index` of `count` equal, consecutive
-    blocks of every global batch (`(0, 1)`: the whole batch, as on one process)."""
-    return 0, 1
-
-  def process_slice(self, global_batch_size: int) -> slice:
-    """The rows of a global batch of `global_batch_size` that this process feeds."""
-    index, count = self.process_rows()
-    size = global_batch_size // count
-    return slice(index * size, (index + 1) * size)
-
-  def local_rows(self, batch: PyTree) -> PyTree:
-    """This process's rows of a global host batch (the batch itself on one process)."""
-    if self.process_rows()[1] == 1:
-      return batch
-    rows = self.process_slice(int(np.shape(jax.tree.leaves(batch)[0])[0]))
-    return jax.tree.map(lambda x: np.asarray(x)[rows], batch)
-
   # -- Placement -------------------------------------------------------------
 
   @abc.abstractmethod
@@ -88,7 +64,8 @@ class Strategy(abc.ABC):
 
   @abc.abstractmethod
   def put_batch(self, batch: PyTree) -> PyTree:
-    """Moves this process's rows of a global batch (`process_slice`) to devices.
+    """Moves this process's rows of a global batch (its process layout's `process_slice`)
+    to devices.
 
     On one process those are the whole batch.
     """
@@ -114,10 +91,6 @@ class Strategy(abc.ABC):
   def merge_metrics_over_data(self, metrics: PyTree) -> PyTree:
     """Merges a clu metric collection computed on each data replica's shard."""
     return metrics
-
-  def mean_over_members(self, tree: PyTree) -> PyTree:
-    """Averages a pytree over ensemble members (member probabilities)."""
-    return tree
 
   def replica_rng(self, rng: jax.Array) -> jax.Array:
     """Makes a step RNG distinct per data replica where each replica sees a shard."""
@@ -152,15 +125,6 @@ class Strategy(abc.ABC):
     (pmap, shard_map) call `fn` directly.
     """
     return bind_size_one_batch_axis(fn, inputs)
-
-  def member_index(self) -> jax.Array:
-    """Which ensemble member the step is running for (0 without an ensemble)."""
-    return jnp.zeros((), jnp.int32)
-
-  def which_models(self, flags: np.ndarray) -> str:
-    """Names the models whose `flags` are False, for error messages ("" for one model)."""
-    del flags
-    return ""
 
   # -- Host views --------------------------------------------------------------
 
@@ -203,19 +167,6 @@ class Strategy(abc.ABC):
   def checkpoint_layout(self) -> dict[str, Any]:
     """What a checkpoint records about the layout besides its arrays (0 members: one model)."""
     return {"num_members": 0, "strategy": self.name}
-
-  def restore_member(self, read: Callable[[PyTree], PyTree], target: PyTree, *,
-                     num_saved: int, member: int) -> PyTree:
-    """Member `member` of a saved ensemble of `num_saved`, placed like `target`.
-
-    Args:
-      read: restores the saved arrays into a tree of `ShapeDtypeStruct`s.
-      target: this strategy's `checkpoint_target` for one model.
-    """
-    device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-    stacked = abstract_with_sharding(target, device, (num_saved,))
-    return jax.tree.map(lambda x, t: jax.device_put(x[member], t.sharding), read(stacked),
-                        target)
 
   @abc.abstractmethod
   def checkpoint_target(self, abstract_state: PyTree) -> PyTree:

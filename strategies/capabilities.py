@@ -2,19 +2,27 @@
 `isinstance`, never flags (Lightning Fabric's shape).
 
 - `Ensemble`: the state holds several independently initialised models on a
-  leading member axis; predictions average over members.
-- `GlobalMeshBatch` (`strategies.mesh`): the batch is one global array over the
-  devices of every process, each process putting its own rows.
+  leading member axis; predictions average over members. A single-model
+  strategy takes one member of a saved ensemble with `restore_member`.
+- The process layout (`strategies.mesh`): `OneProcess`, or `GlobalMeshBatch`
+  when the batch is one global array over the devices of every process.
 """
 
 from __future__ import annotations
 
+import abc
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import numpy as np
 
-from strategies.tree import first_along_leading_axis, merge_along_leading_axis
+from strategies.mesh import GlobalMeshBatch, OneProcess
+from strategies.tree import (
+  abstract_with_sharding,
+  first_along_leading_axis,
+  merge_along_leading_axis,
+)
 
 PyTree = Any
 
@@ -29,7 +37,7 @@ def member_rng(rng: jax.Array, index: int | jax.Array) -> jax.Array:
   return jax.random.fold_in(rng, index)
 
 
-class Ensemble:
+class Ensemble(abc.ABC):
   """Several independently initialised models (members) on a leading axis of every state array.
 
   Member i starts from `member_rng(rng, i)`; every member sees the same batch.
@@ -41,6 +49,14 @@ class Ensemble:
   #: How many members the state holds.
   num_members: int
   name: str
+
+  @abc.abstractmethod
+  def mean_over_members(self, tree: PyTree) -> PyTree:
+    """Averages a pytree over ensemble members inside a step (member probabilities)."""
+
+  @abc.abstractmethod
+  def member_index(self) -> jax.Array:
+    """Which member the step is running for."""
 
   def member_rngs(self, rng: jax.Array) -> jax.Array:
     """The init RNGs of all members, stacked."""
@@ -67,4 +83,24 @@ class Ensemble:
     return f"{self.name}: {self.num_members} members"
 
 
-__all__ = ["Ensemble", "member_rng"]
+def restore_member(read: Callable[[PyTree], PyTree], target: PyTree, *, num_saved: int,
+                   member: int) -> PyTree:
+  """Member `member` of a saved ensemble of `num_saved`, placed like `target` (one model).
+
+  Args:
+    read: restores the saved arrays into a tree of `ShapeDtypeStruct`s.
+    target: a single-model strategy's `checkpoint_target`.
+  """
+  device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+  stacked = abstract_with_sharding(target, device, (num_saved,))
+  return jax.tree.map(lambda x, t: jax.device_put(x[member], t.sharding), read(stacked),
+                      target)
+
+
+def models_named(strategy: Any) -> Callable[[np.ndarray], str]:
+  """`flags -> text` naming the models whose flags are False ("" for one model)."""
+  return strategy.which_models if isinstance(strategy, Ensemble) else lambda flags: ""
+
+
+__all__ = ["Ensemble", "GlobalMeshBatch", "OneProcess", "member_rng", "models_named",
+           "restore_member"]

@@ -1,4 +1,5 @@
-"""The data axis every step binds, and how a process's rows of a global batch are laid out."""
+"""The data axis every step binds, and the process-layout capability: which rows of every
+global batch this process feeds (`OneProcess`, or `GlobalMeshBatch` over several processes)."""
 
 from __future__ import annotations
 
@@ -59,15 +60,43 @@ def process_rows_of(sharding: jax.sharding.Sharding, num_replicas: int) -> tuple
   return lo // size, num_replicas // size
 
 
-class GlobalMeshBatch:
-  """Process-layout capability of jit strategies whose batch is one global array laid out by
+class OneProcess:
+  """Process layout of a strategy whose devices are one process's: it feeds every batch whole.
+
+  Every strategy mixes in a process layout; the Trainer asks it which rows a
+  process feeds (`process_slice`) and cuts global eval batches with `local_rows`.
+  """
+
+  #: Whether the strategy's devices may belong to several processes (`jax.distributed`).
+  spans_processes = False
+
+  def process_rows(self) -> tuple[int, int]:
+    """`(index, count)`: this process feeds block `index` of `count` equal, consecutive
+    blocks of every global batch (`(0, 1)`: the whole batch, as on one process)."""
+    return 0, 1
+
+  def process_slice(self, global_batch_size: int) -> slice:
+    """The rows of a global batch of `global_batch_size` that this process feeds."""
+    index, count = self.process_rows()
+    size = global_batch_size // count
+    return slice(index * size, (index + 1) * size)
+
+  def local_rows(self, batch: PyTree) -> PyTree:
+    """This process's rows of a global host batch (the batch itself on one process)."""
+    if self.process_rows()[1] == 1:
+      return batch
+    rows = self.process_slice(int(np.shape(jax.tree.leaves(batch)[0])[0]))
+    return jax.tree.map(lambda x: np.asarray(x)[rows], batch)
+
+
+class GlobalMeshBatch(OneProcess):
+  """Process layout of jit strategies whose batch is one global array laid out by
   `_batch_sharding` over devices of every process (`jax.distributed`).
 
   Each process puts its own rows; which rows those are depends only on the
   sharding, so it is worked out once, not per batch.
   """
 
-  #: The strategy's devices may belong to several processes.
   spans_processes = True
   _batch_sharding: jax.sharding.Sharding
   num_data_replicas: int

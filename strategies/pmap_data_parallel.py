@@ -11,7 +11,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from strategies.base import InitFn, PyTree, StepFn, Strategy
-from strategies.mesh import BATCH_AXIS
+from strategies.mesh import BATCH_AXIS, OneProcess
 from strategies.registry import register
 from strategies.tree import abstract_with_sharding
 
@@ -19,7 +19,7 @@ AXIS = BATCH_AXIS  # Bound by pmap: BatchNorm(axis_name="batch") averages over r
 
 
 @register("pmap_data_parallel")
-class PmapDataParallel(Strategy):
+class PmapDataParallel(OneProcess, Strategy):
   """One replica of the state per local device; each device takes 1/n of the batch.
 
   The step runs per device under `pmap(axis_name='batch')`; gradients and

@@ -9,6 +9,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from strategies.base import InitFn, PyTree, StepFn, Strategy
 from strategies.capabilities import Ensemble
+from strategies.mesh import OneProcess
 from strategies.registry import register
 from strategies.tree import abstract_with_sharding
 
@@ -16,7 +17,7 @@ AXIS = "ensemble"
 
 
 @register("pmap_ensemble")
-class PmapEnsemble(Ensemble, Strategy):
+class PmapEnsemble(Ensemble, OneProcess, Strategy):
   """Member i lives on local device i and is initialised from `member_rng(rng, i)`.
 
   Every device sees the whole batch. Losses and gradients stay per member (no

@@ -38,12 +38,12 @@ def available() -> list[str]:
 
 def multi_process_strategies() -> list[str]:
   """The registered strategies whose mesh can span several processes."""
-  return [name for name in available() if _CLASSES[name].spans_processes]
+  return [name for name in available() if getattr(_CLASSES[name], "spans_processes", False)]
 
 
 def check_processes(cls: type[Strategy]) -> None:
   """Raises ValueError on a multi-process run if strategy `cls` sees one process's devices."""
-  if jax.process_count() > 1 and not cls.spans_processes:
+  if jax.process_count() > 1 and not getattr(cls, "spans_processes", False):
     raise ValueError(
         f"config.strategy.name={cls.name!r} places everything on the devices of one "
         f"process, but this run has {jax.process_count()} processes (jax.distributed); "

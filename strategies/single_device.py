@@ -6,12 +6,13 @@ import jax
 import ml_collections
 
 from strategies.base import InitFn, PyTree, StepFn, Strategy
-from strategies.tree import abstract_with_sharding
+from strategies.mesh import OneProcess
 from strategies.registry import register
+from strategies.tree import abstract_with_sharding
 
 
 @register("single_device")
-class SingleDevice(Strategy):
+class SingleDevice(OneProcess, Strategy):
   """Everything on one device; every collective is the identity."""
 
   def __init__(self, device: jax.Device | None = None):

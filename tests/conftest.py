@@ -7,10 +7,19 @@ import os
 import pathlib
 import re
 import subprocess
+import tempfile
 
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+# JAX's persistent compilation cache, shared by both xdist workers and every subprocess the
+# tests start (README commands, launched processes inherit the environment): the same
+# programs (a CNN step under a strategy, an example's eval step) compile once per machine.
+# Entries are keyed by the program, jax version and compile options, so a stale one is
+# never used.
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
+                      os.path.join(tempfile.gettempdir(), "flax_trainer_tests_jax_cache"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.1")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

@@ -49,6 +49,7 @@ FEW_STEPS = {
                                   "--lm-batch", "16", "--lm-seq", "16"],
     "benchmarks/multiprocess_step_time.py": ["--steps", "1", "--warmup", "1", "--rounds", "1",
                                              "--batch", "16", "--workloads", "cnn_dp"],
+    "benchmarks/structure.py": [],  # Reads source files only: seconds as written.
 }
 
 #: What a script's standard output shows when it did its job.
@@ -61,6 +62,7 @@ EXPECTED_OUTPUT = {
     "benchmarks/batch_axis_overhead.py": r"pmap_ensemble\s+\d\.\d{4}\s+\d\.\d{4}\s+\d\.\d{3}x",
     "benchmarks/recipe_cost.py": r"Transformer LM .* bf16\s+\d\.\d{4}\s+\d\.\d{3}x",
     "benchmarks/multiprocess_step_time.py": r"cnn_dp\s+\d\.\d{4}\s+\d\.\d{4}\s+\d\.\d{3}x",
+    "benchmarks/structure.py": r"^import cycles\s+\S+\s+0$",
 }
 
 

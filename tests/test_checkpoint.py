@@ -18,8 +18,8 @@ import pytest
 from conftest import MLPTrainer, mlp_config, vector_batches
 from jax.sharding import PartitionSpec
 
-from trainer.loop.driver import NonFiniteError
 from trainer.checkpoint import Checkpointer, CheckpointError
+from trainer.loop.driver import NonFiniteError
 
 HERE = pathlib.Path(__file__).resolve().parent
 SCRIPT = HERE / "resume_run.py"

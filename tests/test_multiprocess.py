@@ -30,8 +30,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 def launch(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
   env = dict(os.environ)
   env.pop("XLA_FLAGS", None)  # Each process makes its own 4 devices.
-  return subprocess.run([sys.executable, "-m", "trainer.distributed.launch", "--num_processes", "2", *args],
-                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+  return subprocess.run(
+      [sys.executable, "-m", "trainer.distributed.launch", "--num_processes", "2", *args],
+      cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.fixture(scope="module")

@@ -7,8 +7,8 @@ import pytest
 from conftest import cnn_config
 from user_models import NnxBatchNormTrainer
 
-from trainer.data import pipeline
 from trainer.checkpoint import Checkpointer
+from trainer.data import pipeline
 from trainer.data.feed import DeviceFeed
 
 

@@ -30,9 +30,9 @@ from conftest import (
 )
 
 import models
+from trainer.checkpoint import Checkpointer
 from trainer.step import optim
 from trainer.step.recipe import MixedPrecision
-from trainer.checkpoint import Checkpointer
 
 
 class Recorder(metric_writers.LoggingWriter):

@@ -37,24 +37,25 @@ from clu import metric_writers
 from clu import metrics as clu_metrics
 
 from strategies import Strategy, check_processes, create_strategy
+from strategies.capabilities import models_named
 from strategies.summary import summarize
-from strategies.tree import keypath_str, to_host
+from strategies.tree import to_host
 from trainer import metrics as metrics_lib
 from trainer.checkpoint import (
-  CheckpointError,
   Checkpointer,
+  CheckpointError,
   RunState,
   restore_run,
   save_run,
 )
-from trainer.data.feed import DeviceFeed, is_checkpointable
+from trainer.data.feed import DeviceFeed, check_train_batch, is_checkpointable
 from trainer.evaluation import MASK_KEY, Evaluator
 from trainer.loop import actions as actions_lib
 from trainer.loop import driver
 from trainer.loop.actions import Action, FitResult
 from trainer.step import model_variables
 from trainer.step.functions import CompiledSteps, StepFunctions
-from trainer.step.optim import create_optimizer, create_schedule
+from trainer.step.optim import check_run_length, create_optimizer, create_schedule
 from trainer.step.recipe import Recipe, recipe_from_config
 from trainer.step.train_state import TrainState
 
@@ -358,7 +359,8 @@ class Trainer(abc.ABC):
         `nonfinite='stop'`; no checkpoint of a non-finite state is written.
       CheckpointError: a checkpoint could not be read, restored or written.
     """
-    self._check_schedule_length(num_steps)
+    if type(self).build_schedule is Trainer.build_schedule:  # The config's schedule.
+      check_run_length(self.config, self.num_train_steps, num_steps)
     run_actions = actions_lib.with_user_actions(
         self.default_actions(checkpointer=checkpointer, eval_batches=eval_batches,
                              workdir=workdir, writer=writer), list(actions))
@@ -368,15 +370,7 @@ class Trainer(abc.ABC):
     batch = next(batches)
     self._check_train_batch(batch, start)
     if resume_step:
-      run = self.restore_run(checkpointer, batch, step=resume_step)
-      state = run.state
-      if run.data is not None and is_checkpointable(batches):
-        batches.set_state(run.data)  # The batch read above was only for the shapes.
-        batch = next(batches)
-      for action in run_actions:
-        if action.name in run.actions:
-          action.load_state_dict(run.actions[action.name])
-      logging.info("Resuming at step %d from %s", resume_step, checkpointer.step_dir(resume_step))
+      state, batch = self._resume(checkpointer, resume_step, batches, batch, run_actions)
     elif state is None:
       state = self.init_state(batch)
     if logging.getLogger().isEnabledFor(logging.INFO):  # The summary reads every shard.
@@ -396,7 +390,7 @@ class Trainer(abc.ABC):
       return state, outputs, step + 1, data_state
 
     finite = driver.FiniteCheck(skip=self.recipe.skips_nonfinite, to_host=to_host,
-                                which_models=self.strategy.which_models,
+                                which_models=models_named(self.strategy),
                                 saved_note=lambda: _last_finite_checkpoint(checkpointer))
     with _waiting_for_saves(checkpointer):
       result = driver.run(advance, state=state, start=start, num_steps=num_steps,
@@ -405,6 +399,20 @@ class Trainer(abc.ABC):
     if writer is not None:
       writer.flush()
     return result
+
+  def _resume(self, checkpointer: Checkpointer, step: int, batches: Iterator[Batch],
+              batch: Batch, actions: list[Action]) -> tuple[TrainState, Batch]:
+    """Restores the run saved at `step` in one call: the state, the data position (the
+    first batch is read again from there) and the actions' state."""
+    run = self.restore_run(checkpointer, batch, step=step)
+    if run.data is not None and is_checkpointable(batches):
+      batches.set_state(run.data)  # The batch read before was only for the shapes.
+      batch = next(batches)
+    for action in actions:
+      if action.name in run.actions:
+        action.load_state_dict(run.actions[action.name])
+    logging.info("Resuming at step %d from %s", step, checkpointer.step_dir(step))
+    return run.state, batch
 
   def _train_iterator(self, train_batches, start: int, resume_step: int | None,
                       checkpointer: Checkpointer | None) -> Iterator[Batch]:
@@ -417,48 +425,9 @@ class Trainer(abc.ABC):
           f"where the checkpoint left it.")
     return iter(train_batches)
 
-  def _check_schedule_length(self, num_steps: int) -> None:
-    """Compares the run's length with the one the config's decaying schedule was built for.
-
-    Longer raises (the rate would sit at its floor for the extra steps); shorter
-    warns, since stopping part-way and resuming later is a normal use.
-    """
-    name, length = self.config.schedule.name, self.num_train_steps
-    if (type(self).build_schedule is not Trainer.build_schedule or name == "constant"
-        or num_steps == length):
-      return
-    fix = (f"build the Trainer with num_train_steps={num_steps} (or set "
-           f"config.num_train_steps={num_steps})")
-    if num_steps > length:
-      raise ValueError(
-          f"fit(num_steps={num_steps}) runs past the end of config.schedule.name={name!r}, "
-          f"which decays over num_train_steps={length} steps: the last "
-          f"{num_steps - length} steps would train at the final rate; {fix}.")
-    logging.warning("fit(num_steps=%d) stops before config.schedule.name=%r has decayed: it "
-                    "is built for num_train_steps=%d steps, so the run ends at a rate above "
-                    "its end. If the run is not meant to resume later, %s.",
-                    num_steps, name, length, fix)
-
   def _check_train_batch(self, batch: Batch, step: int) -> None:
-    """Raises unless every array of the batch for `step` holds this process's rows of a
-    `config.batch_size` batch (all of them on one process)."""
-    rows = self.strategy.process_slice(self.config.batch_size)
-    want = rows.stop - rows.start
-    for path, x in jax.tree_util.tree_leaves_with_path(batch):
-      if not np.ndim(x) or np.shape(x)[0] != want:
-        got = f"{np.shape(x)[0]} examples" if np.ndim(x) else "a scalar"
-        if want != self.config.batch_size:
-          raise ValueError(
-              f"the train batch for step {step} holds {got} in {keypath_str(path)!r} (shape "
-              f"{np.shape(x)}), but process {jax.process_index()} of {jax.process_count()} "
-              f"feeds rows {rows.start}:{rows.stop} of each config.batch_size="
-              f"{self.config.batch_size} batch, {want} examples; give each process its "
-              f"rows (trainer.strategy.process_slice(batch_size)), not the whole batch.")
-        raise ValueError(
-            f"the train batch for step {step} holds {got} in {keypath_str(path)!r} (shape "
-            f"{np.shape(x)}) but config.batch_size={want}; every train batch must hold "
-            f"exactly batch_size examples (the step is compiled for that shape). Drop the "
-            f"short last batch of an epoch (tf.data: drop_remainder=True) or pad it.")
+    check_train_batch(batch, step, batch_size=self.config.batch_size,
+                      rows=self.strategy.process_slice(self.config.batch_size))
 
   # -- Checkpoints -------------------------------------------------------------
 

@@ -14,7 +14,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from strategies import Strategy
-from trainer.checkpoint.store import CheckpointError, Checkpointer
+from strategies.capabilities import restore_member
+from trainer.checkpoint.store import Checkpointer, CheckpointError
 
 PyTree = Any
 
@@ -77,8 +78,8 @@ def restore_run(checkpointer: Checkpointer, strategy: Strategy, abstract_state: 
           f"checkpoint {where} holds an ensemble of {saved} members and strategy "
           f"{strategy.name!r} holds one model; pass member=i with 0 <= i < {saved} (got "
           f"{member}) to restore one of them.")
-    restored = strategy.restore_member(lambda t: checkpointer.restore(step, t), target,
-                                       num_saved=saved, member=member)
+    restored = restore_member(lambda t: checkpointer.restore(step, t), target,
+                              num_saved=saved, member=member)
   elif saved != ours:
     raise CheckpointError(
         f"checkpoint {where} holds {_models(saved)} (written by {layout.get('strategy')!r}) "

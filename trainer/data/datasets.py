@@ -146,9 +146,11 @@ def _prepare(name: str, data_dir: str | None, manual_dir: str | None,
     builder.download_and_prepare(
         download_config=tfds.download.DownloadConfig(manual_dir=manual_dir), **in_format)
     return builder
+  # Fail in seconds, not after minutes of TFDS's retries (tfds.testing.mock_data, which
+  # replaces the download, needs no network).
   url = getattr(type(builder), "URL", None)
   downloads = type(builder).download_and_prepare.__module__.startswith("tensorflow_datasets.core")
-  if url and downloads and not builder.is_prepared():  # (Not under tfds.testing.mock_data.)  # Fail in seconds, not after minutes of retries.
+  if url and downloads and not builder.is_prepared():
     default_manual = os.path.join(os.fspath(builder.data_dir_root), "downloads", "manual")
     if not os.path.isdir(default_manual):
       try:

@@ -19,7 +19,38 @@ import collections
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import jax
+import numpy as np
+
+from strategies.tree import keypath_str
+
 PyTree = Any
+
+
+def check_train_batch(batch: PyTree, step: int, *, batch_size: int, rows: slice) -> None:
+  """Raises unless every array of the batch for `step` holds this process's `rows` of a
+  `batch_size` batch (all of them on one process).
+
+  Raises:
+    ValueError: naming the step, the entry, its shape and what it must hold.
+  """
+  want = rows.stop - rows.start
+  for path, x in jax.tree_util.tree_leaves_with_path(batch):
+    if np.ndim(x) and np.shape(x)[0] == want:
+      continue
+    got = f"{np.shape(x)[0]} examples" if np.ndim(x) else "a scalar"
+    if want != batch_size:
+      raise ValueError(
+          f"the train batch for step {step} holds {got} in {keypath_str(path)!r} (shape "
+          f"{np.shape(x)}), but process {jax.process_index()} of {jax.process_count()} "
+          f"feeds rows {rows.start}:{rows.stop} of each config.batch_size={batch_size} "
+          f"batch, {want} examples; give each process its rows "
+          f"(trainer.strategy.process_slice(batch_size)), not the whole batch.")
+    raise ValueError(
+        f"the train batch for step {step} holds {got} in {keypath_str(path)!r} (shape "
+        f"{np.shape(x)}) but config.batch_size={want}; every train batch must hold "
+        f"exactly batch_size examples (the step is compiled for that shape). Drop the "
+        f"short last batch of an epoch (tf.data: drop_remainder=True) or pad it.")
 
 
 def is_checkpointable(iterator: Any) -> bool:

@@ -7,7 +7,7 @@ TensorFlow in the loop; Grain turns that into batches:
 - the whole dataset is shuffled with `config.seed` (a new order each epoch,
   Grain's `shuffle` then `repeat`) and cut into blocks of the rows one
   process feeds; global batch s is blocks `s*c .. s*c + c - 1`, where c is the
-  number of processes that feed distinct rows (`Strategy.process_rows`);
+  number of processes that feed distinct rows (the strategy's process layout, `process_rows`);
 - each process reads only its own blocks (`ShardByJaxProcess` where every
   process feeds distinct rows; a strategy whose processes all need the whole
   batch, such as an ensemble with members spread over processes, reads it

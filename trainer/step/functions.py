@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from strategies import Strategy
+from strategies import Ensemble, Strategy
 from strategies.mesh import bind_size_one_batch_axis
 from trainer.step.errors import explaining_errors
 from trainer.step.model_variables import RngStreams
@@ -145,8 +145,10 @@ class StepFunctions:
   def predict(self, state, batch: Batch) -> jax.Array:
     """Predictions, averaged over ensemble members where there are several."""
     outputs = self.eval_outputs(state, batch)
-    return self.strategy.mean_over_members(
-        self.strategy.whole_batch(self.hooks.prediction(outputs)))
+    predictions = self.strategy.whole_batch(self.hooks.prediction(outputs))
+    if isinstance(self.strategy, Ensemble):
+      predictions = self.strategy.mean_over_members(predictions)
+    return predictions
 
 
 class CompiledSteps:

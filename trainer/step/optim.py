@@ -7,6 +7,7 @@ warmup_steps, end_factor}`. Each is read here and nowhere else.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -71,6 +72,32 @@ def create_schedule(config: ml_collections.ConfigDict, num_train_steps: int) -> 
   if not warmup:
     return after
   return optax.join_schedules([optax.linear_schedule(0.0, lr, warmup), after], [warmup])
+
+
+def check_run_length(config: ml_collections.ConfigDict, schedule_steps: int | None,
+                     num_steps: int) -> None:
+  """Compares a run of `num_steps` with the `schedule_steps` its decaying schedule spans.
+
+  Longer raises (the rate would sit at its floor for the extra steps); shorter
+  warns, since stopping part-way and resuming later is a normal use.
+
+  Raises:
+    ValueError: the run goes past the end of a decaying schedule.
+  """
+  name = config.schedule.name
+  if name == "constant" or num_steps == schedule_steps:
+    return
+  fix = (f"build the Trainer with num_train_steps={num_steps} (or set "
+         f"config.num_train_steps={num_steps})")
+  if num_steps > schedule_steps:
+    raise ValueError(
+        f"fit(num_steps={num_steps}) runs past the end of config.schedule.name={name!r}, "
+        f"which decays over num_train_steps={schedule_steps} steps: the last "
+        f"{num_steps - schedule_steps} steps would train at the final rate; {fix}.")
+  logging.warning("fit(num_steps=%d) stops before config.schedule.name=%r has decayed: it is "
+                  "built for num_train_steps=%d steps, so the run ends at a rate above its "
+                  "end. If the run is not meant to resume later, %s.",
+                  num_steps, name, schedule_steps, fix)
 
 
 def create_optimizer(config: ml_collections.ConfigDict, schedule: optax.Schedule, *,
