@@ -442,18 +442,8 @@ class Trainer(abc.ABC):
 
   def restore_run(self, checkpointer: Checkpointer, example_batch: Batch, *,
                   step: int | None = None, member: int | None = None) -> RunState:
-    """Restores a run (state, data position, action states) written under any strategy.
-
-    Args:
-      example_batch: a batch shaped like the training batches (for the model's shapes).
-      step: which checkpoint; the latest complete one if None.
-      member: with an ensemble checkpoint and a single-model strategy, the
-        member to restore.
-
-    Raises:
-      CheckpointError: no checkpoint, an unreadable one, a different model, or
-        a member layout this strategy cannot hold.
-    """
+    """Restores a run (state, data position, action states) written under any strategy:
+    `trainer.checkpoint.restore_run` for this model, whose shapes `example_batch` gives."""
     abstract = jax.eval_shape(self.steps.init_fn(example_batch), jax.random.PRNGKey(0))
     return restore_run(checkpointer, self.strategy, abstract, step=step, member=member)
 
