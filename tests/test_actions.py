@@ -9,7 +9,8 @@ from conftest import MLPTrainer, mlp_config, vector_batches
 from trainer import Action, FitResult, NonFiniteError, PeriodicCallback
 from trainer.checkpoint import Checkpointer
 from trainer.loop import driver
-from trainer.loop.actions import Checkpoint, Produced
+from trainer.loop.actions import Produced
+from trainer.loop.builtin import Checkpoint
 
 
 class SeenSteps(Action):

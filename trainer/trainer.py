@@ -50,7 +50,7 @@ from trainer.checkpoint import (
 )
 from trainer.data.feed import DeviceFeed, check_train_batch, is_checkpointable
 from trainer.evaluation import MASK_KEY, Evaluator
-from trainer.loop import actions as actions_lib
+from trainer.loop import builtin as actions_lib
 from trainer.loop import driver
 from trainer.loop.actions import Action, FitResult
 from trainer.step import model_variables
@@ -246,7 +246,7 @@ class Trainer(abc.ABC):
                       eval_batches: Callable[[], Iterable[Batch]] | None,
                       workdir: str | None,
                       writer: metric_writers.MetricWriter | None = None) -> list[Action]:
-    """The loop's built-in actions the config asks for (see `trainer.loop.actions`).
+    """The loop's built-in actions the config asks for (`trainer.loop.builtin`).
 
     Override to reorder or replace them; `fit(actions=...)` adds to them.
 

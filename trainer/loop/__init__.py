@@ -1,1 +1,2 @@
-"""The training loop (`driver`) and its side effects (`actions`)."""
+"""The training loop (`driver`), the action interface (`actions`) and the built-in actions
+(`builtin`)."""

@@ -1,0 +1,365 @@
+"""The built-in actions, in the order `Trainer.default_actions` gives them:
+
+1. `StopOnSignal` turns SIGTERM into a stop request at a step boundary.
+2. `ReportMetrics` writes train scalars every `log_every_steps`.
+3. `Evaluate` evaluates (each `Recipe.eval_variants`: the EMA parameters as `ema_*`).
+4. `EarlyStopping` reads that evaluation and may request a stop.
+5. `Checkpoint` saves the run periodically, at each evaluation when it keeps
+   the best checkpoints by a metric, and at the end (so a stopped run is saved).
+6. `Profile` traces a window of steps with `jax.profiler`.
+
+Each gets the parts it needs when it is built (a writer, the evaluator, the
+save function), never the Trainer.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import jax
+from clu import metric_writers
+
+from trainer import metrics as metrics_lib
+from trainer.loop.actions import Action, Produced, StepView
+
+Batch = Mapping[str, Any]
+PyTree = Any
+
+
+class StopOnSignal(Action):
+  """Requests a stop at the first step boundary after one of `signals` arrives.
+
+  On one process a Python handler notes the signal. On a multi-process run
+  (`jax.distributed`) a SIGTERM reaches one process, or several at different
+  steps, so the processes must agree on where to stop: jax's preemption
+  service (which catches SIGTERM itself) tells every process the same step,
+  the first one all of them can still reach, and each stops there, so they
+  save one checkpoint together. Outside the main thread (where Python cannot
+  install handlers) a one-process run ignores signals.
+  """
+
+  def __init__(self, signals: Iterable[int] = (signal.SIGTERM,)):
+    super().__init__(every_steps=1)
+    self.signals = tuple(signals)
+    self.received: int | None = None
+    self._previous: dict[int, Any] = {}
+
+  def _handle(self, signum, frame):
+    del frame
+    self.received = signum
+
+  def begin(self, view: StepView) -> None:
+    if jax.process_count() > 1:
+      return  # The distributed runtime's handler must keep SIGTERM.
+    if threading.current_thread() is threading.main_thread():
+      self._previous = {s: signal.signal(s, self._handle) for s in self.signals}
+
+  def triggers(self, view: StepView) -> bool:
+    return True
+
+  def run(self, view: StepView) -> Produced | None:
+    if jax.process_count() > 1:
+      from jax.experimental import multihost_utils
+      if multihost_utils.reached_preemption_sync_point(view.step):
+        self.received = signal.SIGTERM
+    if self.received is None:
+      return None
+    return Produced(stop=signal.Signals(self.received).name, preempted=True)
+
+  def close(self) -> None:
+    for s, handler in self._previous.items():
+      signal.signal(s, handler)
+    self._previous = {}
+
+
+class ReportMetrics(Action):
+  """Writes the mean train metrics, the learning rate and throughput every `every_steps`.
+
+  Step metrics stay on device until a write; then they come to the host in
+  one transfer and merge in numpy (`metrics_to_host`).
+
+  Args:
+    writer: where scalars go.
+    metrics_to_host: the strategy's merge of several calls' metrics.
+    learning_rate: `step -> rate` of the update from `step`, or None if unknown.
+    batch_size: examples per step, for examples/s.
+    counts_skipped: whether to report `train/skipped_steps` (`nonfinite='skip'`).
+  """
+
+  def __init__(self, writer: metric_writers.MetricWriter, *, every_steps: int,
+               metrics_to_host: Callable[[list], Any],
+               learning_rate: Callable[[int], float | None], batch_size: int,
+               counts_skipped: bool = False):
+    super().__init__(every_steps=every_steps)
+    self.writer, self.metrics_to_host = writer, metrics_to_host
+    self.learning_rate, self.batch_size = learning_rate, batch_size
+    self.counts_skipped = counts_skipped
+    self._pending: list[PyTree] = []
+    self._tick = self._eval_seconds = 0.0
+    self._last_step = 0
+
+  def triggers(self, view: StepView) -> bool:
+    return True  # Collects every call's metrics; writes every `every_steps`.
+
+  def needs_checked_step(self, view: StepView) -> bool:
+    # A write reports `skipped_steps`, which must count this step.
+    return self.counts_skipped and bool(view.crossed(self.every_steps))
+
+  def begin(self, view: StepView) -> None:
+    self._tick, self._eval_seconds = time.perf_counter(), view.eval_seconds
+    self._last_step = view.step
+
+  def run(self, view: StepView) -> None:
+    self._pending.append(view.outputs["metrics"])
+    if view.crossed(self.every_steps):
+      self._write(view)
+
+  def end(self, view: StepView) -> None:
+    if self._pending:
+      self._write(view)
+
+  def _write(self, view: StepView) -> None:
+    step = view.step
+    merged = self.metrics_to_host(self._pending)
+    scalars = {f"train/{k}": v for k, v in metrics_lib.scalars(merged).items()}
+    lr = self.learning_rate(step - 1)  # The rate of this step's update.
+    if lr is not None:
+      scalars["train/learning_rate"] = lr
+    seconds = (time.perf_counter() - self._tick) - (view.eval_seconds - self._eval_seconds)
+    steps_per_sec = (step - self._last_step) / max(seconds, 1e-9)
+    examples_per_sec = steps_per_sec * self.batch_size
+    eta = (view.num_steps - step) / max(steps_per_sec, 1e-9)
+    logging.info("step %d/%d: %.2f steps/s, %.0f examples/s, ETA %dm%02ds", step,
+                 view.num_steps, steps_per_sec, examples_per_sec, eta // 60, eta % 60)
+    scalars.update({"train/steps_per_sec": steps_per_sec,
+                    "train/examples_per_sec": examples_per_sec})
+    if self.counts_skipped:
+      scalars["train/skipped_steps"] = view.skipped_steps
+    self.writer.write_scalars(step, scalars)
+    self._pending = []
+    self._tick, self._eval_seconds = time.perf_counter(), view.eval_seconds
+    self._last_step = step
+
+
+class Evaluate(Action):
+  """Evaluates every `every_steps` and at the last step, each variant of the state.
+
+  Args:
+    writer: where `eval/<name>` scalars go.
+    evaluate: `(state, batches) -> results`.
+    eval_batches: returns a fresh iterable of eval batches per evaluation.
+    variants: `state -> {prefix: state}` (`Recipe.eval_variants`: `ema_` for EMA).
+
+  Once a signal has stopped the run (preemption), it does not evaluate: the
+  checkpoint comes first.
+  """
+
+  reads_state = True
+
+  def __init__(self, writer: metric_writers.MetricWriter,
+               evaluate: Callable[[Any, Iterable[Batch]], dict[str, float]],
+               eval_batches: Callable[[], Iterable[Batch]], *, every_steps: int,
+               variants: Callable[[Any], Mapping[str, Any]] = lambda state: {"": state}):
+    super().__init__(every_steps=every_steps)
+    self.writer, self.evaluate, self.eval_batches = writer, evaluate, eval_batches
+    self.variants = variants
+    self._last: int | None = None
+
+  def triggers(self, view: StepView) -> bool:
+    return super().triggers(view) and not view.preempted
+
+  def run(self, view: StepView) -> Produced:
+    start = time.perf_counter()
+    results = {}
+    for prefix, state in self.variants(view.state).items():
+      results.update({f"{prefix}{k}": v
+                      for k, v in self.evaluate(state, self.eval_batches()).items()})
+    self.writer.write_scalars(view.step, {f"eval/{k}": v for k, v in results.items()})
+    self._last = view.step
+    return Produced(eval_results=results, eval_seconds=time.perf_counter() - start)
+
+  def end(self, view: StepView) -> Produced | None:
+    if view.is_last and self._last != view.step and not view.preempted:
+      return self.run(view)
+    return None
+
+
+class EarlyStopping(Action):
+  """Stops when `metric` has not improved by `min_delta` for `patience` evaluations.
+
+  Runs right after `Evaluate` (with its schedule). The best value and the
+  count of evaluations without improvement are saved with checkpoints, so a
+  resumed run continues the count, and a run that stopped early stays stopped.
+  """
+
+  def __init__(self, metric: str, *, mode: str, patience: int, min_delta: float,
+               every_steps: int):
+    if mode not in ("min", "max"):
+      raise ValueError(f"config.early_stopping.mode={mode!r} must be 'min' or 'max'.")
+    if not isinstance(patience, int) or patience < 1:
+      raise ValueError(f"config.early_stopping.patience={patience!r} must be an integer >= 1 "
+                       f"(evaluations without improvement before stopping).")
+    if not every_steps:
+      raise ValueError(
+          f"config.early_stopping.metric={metric!r} needs periodic evaluations, but "
+          f"config.eval_every_steps={every_steps!r}; set it to a positive step count.")
+    super().__init__(every_steps=every_steps)
+    self.metric, self.mode, self.patience, self.min_delta = metric, mode, patience, min_delta
+    self.best: float | None = None
+    self.best_step: int | None = None
+    self.bad_evals = 0
+    self.stopped = False
+
+  def begin(self, view: StepView) -> Produced | None:
+    if self.stopped:  # A resumed run that had stopped stays stopped.
+      return Produced(stop="early_stopping")
+    return None
+
+  def run(self, view: StepView) -> Produced | None:
+    results = view.eval_results
+    if results is None:
+      return None
+    if self.metric not in results:
+      raise ValueError(f"config.early_stopping.metric={self.metric!r} is not an eval metric; "
+                       f"the eval metrics are {sorted(results)}.")
+    value = float(results[self.metric])
+    sign = 1.0 if self.mode == "max" else -1.0
+    if self.best is None or sign * (value - self.best) > self.min_delta:
+      self.best, self.best_step, self.bad_evals = value, view.step, 0
+    else:
+      self.bad_evals += 1
+    stop = None
+    if self.bad_evals >= self.patience and not view.is_last:
+      self.stopped, stop = True, "early_stopping"
+    return Produced(best=(self.best_step, self.best), stop=stop)
+
+  def state_dict(self) -> dict[str, Any]:
+    return {"best": self.best, "best_step": self.best_step, "bad_evals": self.bad_evals,
+            "stopped": self.stopped}
+
+  def load_state_dict(self, state: dict[str, Any]) -> None:
+    self.best, self.best_step = state["best"], state["best_step"]
+    self.bad_evals, self.stopped = state["bad_evals"], state["stopped"]
+
+
+class Checkpoint(Action):
+  """Saves the run every `every_steps`, at evaluations when it keeps the best, and at the end.
+
+  Args:
+    save: starts an asynchronous save of a `RunState`.
+    wait: blocks until the last save is on disk.
+    step_dir: `step -> directory`, for the log line at a stop.
+    every_steps: the periodic schedule (0: only at the end and at a stop).
+    eval_every_steps: also save at each evaluation (best-checkpoint ranking).
+
+  A checkpoint saved at an evaluation carries its results, which is what a
+  best-checkpoint policy ranks by. At a stop (SIGTERM, early stopping) the
+  save is waited for before `fit` returns.
+  """
+
+  reads_state = True
+
+  def __init__(self, save: Callable[[Any], None], *, wait: Callable[[], None],
+               step_dir: Callable[[int], str], every_steps: int, eval_every_steps: int = 0):
+    super().__init__(every_steps=every_steps)
+    self.save, self.wait, self.step_dir = save, wait, step_dir
+    self.eval_every_steps = eval_every_steps
+    self._last: int | None = None
+
+  def triggers(self, view: StepView) -> bool:
+    return super().triggers(view) or bool(view.crossed(self.eval_every_steps))
+
+  def run(self, view: StepView) -> None:
+    self.save(view.run_state())
+    self._last = view.step
+
+  def end(self, view: StepView) -> None:
+    if self._last != view.step and view.step > view.start_step:
+      self.run(view)
+    if view.stop_reason is not None:
+      self.wait()
+      logging.warning("Stopped by %s at step %d of %d; checkpoint written to %s",
+                      view.stop_reason, view.step, view.num_steps, self.step_dir(view.step))
+
+
+class Profile(Action):
+  """Traces steps `first_step + 1 .. first_step + num_steps` with `jax.profiler` into `logdir`.
+
+  The trace (`plugins/profile/<run>/*.xplane.pb`) opens in TensorBoard's
+  profile plugin or in Perfetto (ui.perfetto.dev).
+  """
+
+  def __init__(self, logdir: str, *, first_step: int, num_steps: int):
+    if not isinstance(first_step, int) or first_step < 0:
+      raise ValueError(f"config.profile.first_step={first_step!r} must be an integer >= 0.")
+    if not isinstance(num_steps, int) or num_steps < 1:
+      raise ValueError(f"config.profile.num_steps={num_steps!r} must be an integer >= 1 "
+                       f"(0 in the config: no profile).")
+    super().__init__(every_steps=0)
+    self.logdir, self.first_step, self.num_steps = logdir, first_step, num_steps
+    self._running = False
+
+  def _crossed(self, view: StepView, step: int) -> bool:
+    return view.previous_step < step <= view.step
+
+  def triggers(self, view: StepView) -> bool:
+    return (self._crossed(view, self.first_step)
+            or self._crossed(view, self.first_step + self.num_steps))
+
+  def begin(self, view: StepView) -> None:
+    if view.step == self.first_step:
+      self._start(view)
+
+  def run(self, view: StepView) -> None:
+    if not self._running and self._crossed(view, self.first_step):
+      self._start(view)
+    elif self._running:
+      self._stop(view.state)
+
+  def _start(self, view: StepView) -> None:
+    jax.block_until_ready(view.state)  # Earlier steps stay out of the trace.
+    jax.profiler.start_trace(self.logdir)
+    self._running = True
+    logging.info("Profiling steps %d-%d into %s", self.first_step + 1,
+                 self.first_step + self.num_steps, self.logdir)
+
+  def _stop(self, state) -> None:
+    jax.block_until_ready(state)
+    jax.profiler.stop_trace()
+    self._running = False
+
+  def end(self, view: StepView) -> None:
+    if self._running:  # The run ended inside the window.
+      self._stop(view.state)
+
+  def close(self) -> None:
+    if self._running:  # An error ended the run: its state may be gone.
+      jax.profiler.stop_trace()
+      self._running = False
+
+
+def with_user_actions(defaults: list[Action], user: list[Action]) -> list[Action]:
+  """`user` inserted before the first `Checkpoint` of `defaults` (else at the end).
+
+  Then a checkpoint of step s holds the user actions' state after step s.
+
+  Raises:
+    ValueError: two actions that save state share a name (their states would collide).
+  """
+  at = next((i for i, a in enumerate(defaults) if isinstance(a, Checkpoint)), len(defaults))
+  actions = [*defaults[:at], *user, *defaults[at:]]
+  names = [a.name for a in actions if a.state_dict() is not None]
+  dup = {n for n in names if names.count(n) > 1}
+  if dup:
+    raise ValueError(f"actions {sorted(dup)} appear twice and both save state; give one a "
+                     f"different `name`.")
+  return actions
+
+
+__all__ = ["Checkpoint", "EarlyStopping", "Evaluate", "Profile", "ReportMetrics",
+           "StopOnSignal", "with_user_actions"]
