@@ -17,7 +17,6 @@ from typing import Any
 import jax
 import numpy as np
 
-from strategies.mesh import GlobalMeshBatch, OneProcess
 from strategies.tree import (
   abstract_with_sharding,
   first_along_leading_axis,
@@ -71,10 +70,6 @@ class Ensemble(abc.ABC):
   def checkpoint_layout(self) -> dict[str, Any]:
     return {"num_members": self.num_members, "strategy": self.name}
 
-  def member_view(self, canonical: PyTree, member: int) -> PyTree:
-    """Member `member` of a tree in the checkpoint layout (host arrays, member axis first)."""
-    return jax.tree.map(lambda x: np.asarray(x)[member], canonical)
-
   def which_models(self, flags: np.ndarray) -> str:
     """Names the members whose per-member `flags` are False (for error messages)."""
     return f" (ensemble member(s) {np.flatnonzero(~np.asarray(flags, bool)).tolist()})"
@@ -102,5 +97,4 @@ def models_named(strategy: Any) -> Callable[[np.ndarray], str]:
   return strategy.which_models if isinstance(strategy, Ensemble) else lambda flags: ""
 
 
-__all__ = ["Ensemble", "GlobalMeshBatch", "OneProcess", "member_rng", "models_named",
-           "restore_member"]
+__all__ = ["Ensemble", "member_rng", "models_named", "restore_member"]

@@ -112,8 +112,11 @@ class Trainer(abc.ABC):
         out of range.
     """
     self.config = config
-    self.strategy = strategy if strategy is not None else create_strategy(config)
-    check_processes(type(self.strategy))
+    if strategy is None:
+      strategy = create_strategy(config)  # Checks the process count itself.
+    else:
+      check_processes(type(strategy))
+    self.strategy = strategy
     self.strategy.check_batch_size(config.batch_size)
     if num_train_steps is None and config.num_train_steps > 0:
       num_train_steps = config.num_train_steps

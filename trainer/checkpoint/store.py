@@ -104,7 +104,7 @@ class Checkpointer:
   def __init__(self, directory: str | os.PathLike, *, every_steps: int = 1000,
                max_to_keep: int = 3, async_save: bool = True, best_metric: str = "",
                best_mode: str = "max", keep_best: int = 1):
-    """Opens (or creates) the checkpoint directory; reads and deletes nothing.
+    """Checks the settings; reads and deletes nothing, and makes no directory until a save.
 
     Args:
       directory: where the step directories go.

@@ -49,17 +49,16 @@ class FiniteCheck:
     self.skip, self.to_host, self.which_models = skip, to_host, which_models
     self.saved_note = saved_note
     self._unchecked: list[tuple[int, Any]] = []
+    #: Updates left out so far (`skip`).
     self.skipped = 0
 
-  def push(self, step: int, flag: Any) -> int:
-    """Checks the calls before this one and keeps this one's flag; returns updates skipped."""
-    skipped = self.settle()
+  def push(self, step: int, flag: Any) -> None:
+    """Checks the calls before this one and keeps this one's flag."""
+    self.settle()
     self._unchecked.append((step, flag))
-    return skipped
 
-  def settle(self) -> int:
-    """Checks every flag not yet checked (waiting for its call); returns updates skipped."""
-    skipped = 0
+  def settle(self) -> None:
+    """Checks every flag not yet checked (waiting for its call)."""
     while self._unchecked:
       step, flag = self._unchecked.pop(0)
       ok = np.ravel(self.to_host(flag))
@@ -70,11 +69,9 @@ class FiniteCheck:
             f"step {step}{self.which_models(ok)}: the loss or the gradient norm is not "
             f"finite, so training stopped (config.nonfinite='stop'; 'skip' would leave such "
             f"updates out); {self.saved_note()}.")
-      skipped += 1
       self.skipped += 1
       logging.warning("Step %d%s: non-finite loss or gradient norm; update skipped "
                       "(%d so far)", step, self.which_models(ok), self.skipped)
-    return skipped
 
 
 def _fold(view: StepView, produced: Produced | None, result: FitResult) -> StepView:
@@ -112,8 +109,10 @@ def run(advance: Advance, *, state: Any, start: int, num_steps: int,
                   state=state, canonical=canonical, action_states=action_states)
 
   def checked(view: StepView) -> StepView:
-    skipped = finite.settle() if finite else 0
-    return dataclasses.replace(view, skipped_steps=view.skipped_steps + skipped)
+    if not finite:
+      return view
+    finite.settle()
+    return dataclasses.replace(view, skipped_steps=finite.skipped)
 
   begun: list[Action] = []
   try:
@@ -122,10 +121,12 @@ def run(advance: Advance, *, state: Any, start: int, num_steps: int,
       begun.append(action)
     while view.step < num_steps and view.stop_reason is None:
       state, outputs, step, data_state = advance(view.state, view.step)
-      skipped = finite.push(step, outputs["finite"]) if finite else 0
+      if finite:
+        finite.push(step, outputs["finite"])
       view = dataclasses.replace(
           view, step=step, previous_step=view.step, state=state, outputs=outputs,
-          eval_results=None, data_state=data_state, skipped_steps=view.skipped_steps + skipped)
+          eval_results=None, data_state=data_state,
+          skipped_steps=finite.skipped if finite else 0)
       for action in actions:
         if action.triggers(view):
           if action.needs_checked_step(view):

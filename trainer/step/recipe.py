@@ -38,6 +38,7 @@ from trainer.step.train_state import EmaTrainState
 
 PyTree = Any
 
+
 class StepTransform:
   """One part of the recipe. Override the stages it changes; the others pass through.
 
@@ -77,30 +78,26 @@ class Recipe:
   def __add__(self, more) -> Recipe:
     return Recipe(self.transforms + tuple(more))
 
-  def forward(self, fn: Forward) -> Forward:
+  def _through(self, stage: str, value: Any, *args: Any) -> Any:
+    """`value` passed through every transform's `stage`, in order."""
     for t in self.transforms:
-      fn = t.forward(fn)
-    return fn
+      value = getattr(t, stage)(value, *args)
+    return value
+
+  def forward(self, fn: Forward) -> Forward:
+    return self._through("forward", fn)
 
   def loss(self, fn: LossFn) -> LossFn:
-    for t in self.transforms:
-      fn = t.loss(fn)
-    return fn
+    return self._through("loss", fn)
 
   def gradients(self, fn: GradFn, strategy: Strategy) -> GradFn:
-    for t in self.transforms:
-      fn = t.gradients(fn, strategy)
-    return fn
+    return self._through("gradients", fn, strategy)
 
   def update(self, fn: UpdateFn) -> UpdateFn:
-    for t in self.transforms:
-      fn = t.update(fn)
-    return fn
+    return self._through("update", fn)
 
   def init_state(self, state: Any) -> Any:
-    for t in self.transforms:
-      state = t.init_state(state)
-    return state
+    return self._through("init_state", state)
 
   def eval_variants(self, state: Any) -> dict[str, Any]:
     """`{"": state}` and every transform's variants (e.g. `{"ema_": ...}`)."""
