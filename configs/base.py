@@ -26,6 +26,18 @@ def get_config() -> ml_collections.ConfigDict:
   # Train batches put on the devices ahead of their step (0: each at its step), so that
   # reading and copying the next batch overlap the running step.
   config.prefetch_to_device = 1
+  # Train steps per compiled call (a lax.scan over the steps): the host dispatches
+  # once per call instead of once per step, which is what bounds small models on
+  # accelerators. Per-step results are unchanged: metrics are written per step, a
+  # non-finite step is reported by its own number, and a call ends early where an
+  # action needs the state (a checkpoint or evaluation step), so at most two call
+  # lengths are compiled (trainer.loop.chunks).
+  config.steps_per_call = 1
+  # How a call's steps run: "scan" (a lax.scan loop: compiles once for any count),
+  # "unroll" (straight-line code), or "" for the platform's default
+  # (trainer.step.functions.default_steps_loop: unroll on CPU, where convolutions
+  # in a loop are slow; scan elsewhere).
+  config.steps_loop = ""
 
   # Orbax checkpoints in <workdir>/checkpoints (when the entry point has a
   # workdir). A run in a workdir that holds one resumes from the latest.

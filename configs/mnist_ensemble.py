@@ -46,7 +46,9 @@ def get_config() -> ml_collections.ConfigDict:
   config.data.train_split = "train"
   config.data.eval_split = "test"
   # "grain": streamed by Grain from TFDS array_record files, each process reading its
-  # rows (trainer.data.pipeline); "memory": the splits read into host memory (trainer.data).
+  # rows (trainer.data.pipeline); "memory": the splits read into host memory (trainer.data);
+  # "device": the train split placed on every device once, each step gathering its
+  # batch inside the compiled call (trainer.data.device; configs/mnist_on_device.py).
   config.data.pipeline = "grain"
   config.data.read_threads = 4  # Grain reader threads decoding records ahead of the loop.
   config.data.prefetch_batches = 8  # Batches the Grain readers keep ready.

@@ -4,6 +4,11 @@ r"""Trains an MNIST CNN (or BatchNorm ResNet) ensemble, or one model, under any 
         --workdir=/tmp/mnist_ensemble [--config.strategy.name=pmap_data_parallel]
     python examples/mnist_ensemble.py --config=configs/mnist_resnet_ensemble.py \
         --workdir=/tmp/mnist_resnet
+    python examples/mnist_ensemble.py --config=configs/mnist_on_device.py \
+        --workdir=/tmp/mnist_on_device
+
+The last keeps the train split on the devices and runs many steps per
+compiled call (`config.steps_per_call`): the host only dispatches.
 
 The ResNet's BatchNorm statistics live in the train state (`model_state`):
 per member in an ensemble, over the global batch under data parallelism.
@@ -30,6 +35,8 @@ from ml_collections import config_flags
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 FLAGS = flags.FLAGS
+#: config.data.pipeline: streamed by Grain, read into host memory, or placed on the devices.
+PIPELINES = ("grain", "memory", "device")
 config_flags.DEFINE_config_file(
     "config", os.path.join(os.path.dirname(__file__), "..", "configs", "mnist_ensemble.py"),
     "Training configuration (an ml_collections config file).", lock_config=True)
@@ -61,8 +68,8 @@ def train_and_evaluate(config, workdir: str) -> dict[str, float] | None:
       raise ValueError(f"config.model.name={m.name!r} is not one of ('cnn', 'resnet').")
 
   d = config.data
-  if d.pipeline not in ("grain", "memory"):
-    raise ValueError(f"config.data.pipeline={d.pipeline!r} is not one of ('grain', 'memory').")
+  if d.pipeline not in PIPELINES:
+    raise ValueError(f"config.data.pipeline={d.pipeline!r} is not one of {PIPELINES}.")
   checkpointer = Checkpointer.from_config(config, workdir)
   builder = data.prepare(d.name, d.data_dir, d.manual_dir,
                          file_format="array_record" if d.pipeline == "grain" else None)
@@ -80,6 +87,9 @@ def train_and_evaluate(config, workdir: str) -> dict[str, float] | None:
         shard=pipeline.shard_options(trainer.strategy.process_rows()),
         read_threads=d.read_threads, prefetch_batches=d.prefetch_batches)
     eval_batches = lambda: pipeline.eval_batches(test, config.eval_batch_size)  # noqa: E731
+  elif d.pipeline == "device":  # Placed on the devices once; each step gathers its batch.
+    train_batches = train.device_data(config.batch_size, config.seed)
+    eval_batches = lambda: data.eval_batches(test, config.eval_batch_size)  # noqa: E731
   else:
     rows = trainer.strategy.process_slice(config.batch_size)  # This process's rows.
     train_batches = lambda start: data.train_batches(  # noqa: E731

@@ -38,6 +38,10 @@ class Strategy(abc.ABC):
 
   #: The name the strategy is registered under (`config.strategy.name`).
   name: str = ""
+  #: Where the outputs of a compiled chunk (`compile_train_chunk`) keep their step
+  #: axis on the host: 0, or 1 behind the strategy's own leading axis (devices,
+  #: members). Taking index i along it gives step i's outputs in `put_batch` layout.
+  steps_axis: int = 0
 
   @property
   @abc.abstractmethod
@@ -70,12 +74,32 @@ class Strategy(abc.ABC):
     On one process those are the whole batch.
     """
 
+  def put_batches(self, batches: PyTree) -> PyTree:
+    """Moves several steps' batches stacked on a leading step axis (host shape
+    `(steps, rows, ...)`) to devices, each step's batch laid out as `put_batch` lays it."""
+    return self.put_batch(batches)
+
+  @abc.abstractmethod
+  def put_replicated(self, tree: PyTree) -> PyTree:
+    """Places host arrays whole on every device of the strategy (a device-resident dataset)."""
+
   @abc.abstractmethod
   def compile_train_step(self, step_fn: StepFn, state: PyTree) -> StepFn:
     """Compiles `step_fn(state, batch) -> (state, metrics)`, donating the state.
 
     `state` is a placed state whose layout the compiled step keeps. The result
     has `.lower(state, batch)`, as jitted functions do.
+    """
+
+  @abc.abstractmethod
+  def compile_train_chunk(self, chunk_fn: StepFn, state: PyTree) -> StepFn:
+    """Compiles `chunk_fn(state, batches, data) -> (state, outputs)`, donating the state.
+
+    `chunk_fn` runs several train steps of one model as `compile_train_step`'s
+    `step_fn` runs one: `batches` (placed by `put_batches`, or None) carry a
+    leading step axis in front of each step's batch, `data` (placed by
+    `put_replicated`, or None) is the same on every device, and the outputs
+    gain a step axis at `steps_axis`.
     """
 
   @abc.abstractmethod
@@ -95,6 +119,10 @@ class Strategy(abc.ABC):
   def replica_rng(self, rng: jax.Array) -> jax.Array:
     """Makes a step RNG distinct per data replica where each replica sees a shard."""
     return rng
+
+  def replica_rows(self, rows: jax.Array) -> jax.Array:
+    """Of the global batch's row indices, the ones this step sees (its batch shard's)."""
+    return rows
 
   def whole_batch(self, tree: PyTree) -> PyTree:
     """Per-example outputs over the whole batch where a step sees a batch shard
@@ -135,8 +163,15 @@ class Strategy(abc.ABC):
     host in one transfer and merge there in numpy, over calls and then over
     this strategy's device axis (`merge_device_axis`): no jax op per metric.
     """
-    host = to_host(list(metrics))
-    return self.merge_device_axis(functools.reduce(lambda a, b: a.merge(b), host))
+    return self.merge_host_metrics(self.fetch_metrics(metrics))
+
+  def fetch_metrics(self, metrics: Sequence[PyTree]) -> list[PyTree]:
+    """Several calls' metrics as host trees, in one transfer, in the calls' layout."""
+    return to_host(list(metrics))
+
+  def merge_host_metrics(self, metrics: Sequence[PyTree]) -> PyTree:
+    """Merges host metrics (`fetch_metrics`, or steps of them) into one collection."""
+    return self.merge_device_axis(functools.reduce(lambda a, b: a.merge(b), metrics))
 
   def merge_device_axis(self, metrics: PyTree) -> PyTree:
     """Host metrics in this strategy's output layout as one collection (no device axis)."""

@@ -9,6 +9,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 PyTree = Any
 
@@ -112,3 +113,23 @@ class GlobalMeshBatch(OneProcess):
     count = self._process_rows[1]
     return jax.tree.map(lambda x: jax.make_array_from_process_local_data(
         self._batch_sharding, x, (np.shape(x)[0] * count,) + np.shape(x)[1:]), batch)
+
+  @property
+  def _stacked_batch_sharding(self) -> NamedSharding:
+    """Several steps' batches: a leading step axis, then each batch as `_batch_sharding`."""
+    return NamedSharding(self._batch_sharding.mesh,
+                         PartitionSpec(None, *self._batch_sharding.spec))
+
+  @property
+  def _replicated_sharding(self) -> NamedSharding:
+    return NamedSharding(self._batch_sharding.mesh, PartitionSpec())
+
+  def put_batches(self, batches: PyTree) -> PyTree:
+    count, sharding = self._process_rows[1], self._stacked_batch_sharding
+    return jax.tree.map(lambda x: jax.make_array_from_process_local_data(
+        sharding, x, np.shape(x)[:1] + (np.shape(x)[1] * count,) + np.shape(x)[2:]), batches)
+
+  def put_replicated(self, tree: PyTree) -> PyTree:
+    sharding = self._replicated_sharding  # Every process holds the whole arrays.
+    return jax.tree.map(lambda x: jax.make_array_from_callback(
+        np.shape(x), sharding, lambda index: np.asarray(x)[index]), tree)

@@ -31,6 +31,8 @@ class PmapDataParallel(OneProcess, Strategy):
   single-device mask.
   """
 
+  steps_axis = 1  # Chunk outputs: (devices, steps, ...).
+
   def __init__(self, devices: list[jax.Device] | None = None):
     self.devices = list(devices or jax.local_devices())
     mesh = Mesh(np.array(self.devices), (AXIS,))
@@ -65,6 +67,22 @@ class PmapDataParallel(OneProcess, Strategy):
 
     return jax.device_put(jax.tree.map(split, batch), self._batch_sharding)
 
+  def put_batches(self, batches: PyTree) -> PyTree:
+    n = self.num_data_replicas
+
+    def split(x):  # (steps, rows, ...) -> (devices, steps, rows / devices, ...)
+      x = np.asarray(x)
+      if x.shape[1] % n:
+        raise ValueError(
+            f"a batch with leading dimension {x.shape[1]} does not split over "
+            f"{n} data replicas of strategy {self.name!r}")
+      return np.swapaxes(x.reshape((x.shape[0], n, x.shape[1] // n) + x.shape[2:]), 0, 1)
+
+    return jax.device_put(jax.tree.map(split, batches), self._batch_sharding)
+
+  def put_replicated(self, tree: PyTree) -> PyTree:
+    return jax.device_put(tree, self._replicated)
+
   @property
   def step_sees_batch_shard(self) -> bool:
     return self.num_data_replicas > 1
@@ -75,6 +93,11 @@ class PmapDataParallel(OneProcess, Strategy):
   def compile_train_step(self, step_fn: StepFn, state: PyTree) -> StepFn:
     del state
     return jax.pmap(step_fn, axis_name=AXIS, devices=self.devices, donate_argnums=(0,))
+
+  def compile_train_chunk(self, chunk_fn: StepFn, state: PyTree) -> StepFn:
+    del state  # The dataset is placed whole on every device (`put_replicated`): in_axes None.
+    return jax.pmap(chunk_fn, axis_name=AXIS, in_axes=(0, 0, None), devices=self.devices,
+                    donate_argnums=(0,))
 
   def compile_eval_step(self, eval_fn: StepFn, state: PyTree) -> StepFn:
     del state
@@ -87,12 +110,15 @@ class PmapDataParallel(OneProcess, Strategy):
     # clu's own cross-device reduction: exact for every metric type (sums, not means).
     return jax.lax.all_gather(metrics, AXIS).reduce()
 
+  def replica_rows(self, rows: jax.Array) -> jax.Array:
+    return rows.reshape(self.num_data_replicas, -1)[jax.lax.axis_index(AXIS)]
+
   def replica_rng(self, rng: jax.Array) -> jax.Array:
     return jax.random.fold_in(rng, jax.lax.axis_index(AXIS))
 
-  def metrics_to_host(self, metrics: Sequence[PyTree]) -> PyTree:
+  def fetch_metrics(self, metrics: Sequence[PyTree]) -> list[PyTree]:
     # Identical on every replica after the in-step merge: fetch device 0's copy only.
-    return super().metrics_to_host(
+    return super().fetch_metrics(
         [jax.tree.map(lambda x: x.addressable_shards[0].data, m) for m in metrics])
 
   def merge_device_axis(self, metrics: PyTree) -> PyTree:

@@ -25,6 +25,8 @@ class PmapEnsemble(Ensemble, OneProcess, Strategy):
   probabilities with `lax.pmean` over the `ensemble` axis.
   """
 
+  steps_axis = 1  # Chunk outputs: (members, steps, ...).
+
   def __init__(self, num_members: int, devices: list[jax.Device] | None = None):
     self.devices = list(devices or jax.local_devices())
     if num_members != len(self.devices):
@@ -57,6 +59,14 @@ class PmapEnsemble(Ensemble, OneProcess, Strategy):
   def compile_train_step(self, step_fn: StepFn, state: PyTree) -> StepFn:
     del state
     return jax.pmap(step_fn, axis_name=AXIS, in_axes=(0, None), devices=self.devices,
+                    donate_argnums=(0,))
+
+  def put_replicated(self, tree: PyTree) -> PyTree:
+    return jax.device_put(tree, self._replicated)
+
+  def compile_train_chunk(self, chunk_fn: StepFn, state: PyTree) -> StepFn:
+    del state
+    return jax.pmap(chunk_fn, axis_name=AXIS, in_axes=(0, None, None), devices=self.devices,
                     donate_argnums=(0,))
 
   def compile_eval_step(self, eval_fn: StepFn, state: PyTree) -> StepFn:

@@ -229,6 +229,13 @@ class ShardedDataParallel(GlobalMeshBatch, Strategy):
     return self._compile(step_fn, in_shardings=(state_sh, self._batch_sharding),
                          out_shardings=(state_sh, replicated), donate_argnums=0)
 
+  def compile_train_chunk(self, chunk_fn: StepFn, state: PyTree) -> StepFn:
+    state_sh = jax.tree.map(lambda x: x.sharding, state)
+    replicated = self._replicated_sharding
+    return self._compile(chunk_fn, in_shardings=(state_sh, self._stacked_batch_sharding,
+                                                 replicated),
+                         out_shardings=(state_sh, replicated), donate_argnums=0)
+
   def compile_eval_step(self, eval_fn: StepFn, state: PyTree) -> StepFn:
     state_sh = jax.tree.map(lambda x: x.sharding, state)
     return self._compile(eval_fn, in_shardings=(state_sh, self._batch_sharding))

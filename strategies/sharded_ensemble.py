@@ -54,6 +54,8 @@ class ShardedEnsemble(Ensemble, GlobalMeshBatch, Strategy):
   vectorise the local members so that ensemble means can use a named axis.
   """
 
+  steps_axis = 1  # Chunk outputs: (members, steps, ...).
+
   def __init__(self, num_members: int, mesh_shape: Sequence[int] = (-1, 1), loop: str = "",
                devices: Sequence[jax.Device] | None = None):
     devices = list(devices or jax.devices())
@@ -104,14 +106,15 @@ class ShardedEnsemble(Ensemble, GlobalMeshBatch, Strategy):
   # -- Placement -----------------------------------------------------------------
 
   def _over_local_members(self, fn: StepFn, loop: str) -> StepFn:
-    """`fn(member_state, batch)` applied to each member a device holds."""
+    """`fn(member_state, *inputs)` applied to each member a device holds (the same inputs)."""
     if loop == "vmap":
-      return jax.vmap(fn, in_axes=(0, None), axis_name=MEMBERS)
+      return lambda state, *inputs: jax.vmap(
+          fn, in_axes=(0,) + (None,) * len(inputs), axis_name=MEMBERS)(state, *inputs)
     if loop == "map":
-      return lambda state, batch: jax.lax.map(lambda s: fn(s, batch), state)
+      return lambda state, *inputs: jax.lax.map(lambda s: fn(s, *inputs), state)
 
-    def unrolled(state, batch):  # One copy of the step per local member in the program.
-      outs = [fn(jax.tree.map(lambda x, i=i: x[i], state), batch)
+    def unrolled(state, *inputs):  # One copy of the step per local member in the program.
+      outs = [fn(jax.tree.map(lambda x, i=i: x[i], state), *inputs)
               for i in range(self.members_per_device)]
       return jax.tree.map(lambda *xs: jnp.stack(xs), *outs)
 
@@ -135,6 +138,16 @@ class ShardedEnsemble(Ensemble, GlobalMeshBatch, Strategy):
     del state
     return self._compile(step_fn, self.loop, PartitionSpec(ENSEMBLE), donate_argnums=0)
 
+  def compile_train_chunk(self, chunk_fn: StepFn, state: PyTree) -> StepFn:
+    del state
+    per_device = jax.shard_map(
+        self._over_local_members(chunk_fn, self.loop), mesh=self.mesh,
+        in_specs=(PartitionSpec(ENSEMBLE), PartitionSpec(None, DATA), PartitionSpec()),
+        out_specs=PartitionSpec(ENSEMBLE), check_vma=False)
+    return jax.jit(per_device, in_shardings=(self._member_sharding,
+                                             self._stacked_batch_sharding,
+                                             self._replicated_sharding), donate_argnums=0)
+
   def compile_eval_step(self, eval_fn: StepFn, state: PyTree) -> StepFn:
     del state
     # Vectorised, so that `mean_over_members` has an axis to average over.
@@ -156,6 +169,11 @@ class ShardedEnsemble(Ensemble, GlobalMeshBatch, Strategy):
     if self.num_data_replicas == 1:
       return metrics
     return jax.lax.all_gather(metrics, DATA).reduce()
+
+  def replica_rows(self, rows: jax.Array) -> jax.Array:
+    if self.num_data_replicas == 1:
+      return rows
+    return rows.reshape(self.num_data_replicas, -1)[jax.lax.axis_index(DATA)]
 
   def replica_rng(self, rng: jax.Array) -> jax.Array:
     return jax.random.fold_in(rng, jax.lax.axis_index(DATA)) if self.num_data_replicas > 1 \

@@ -37,6 +37,13 @@ class SingleDevice(OneProcess, Strategy):
     del state  # Outputs stay on the device of the inputs.
     return jax.jit(step_fn, donate_argnums=0)
 
+  def put_replicated(self, tree: PyTree) -> PyTree:
+    return jax.device_put(tree, self.device)
+
+  def compile_train_chunk(self, chunk_fn: StepFn, state: PyTree) -> StepFn:
+    del state
+    return jax.jit(chunk_fn, donate_argnums=0)
+
   def compile_eval_step(self, eval_fn: StepFn, state: PyTree) -> StepFn:
     del state
     return jax.jit(eval_fn)

@@ -45,6 +45,12 @@ def merge_along_leading_axis(collection: PyTree) -> PyTree:
   return type(collection)(**{name: merge(m) for name, m in vars(collection).items()})
 
 
+def split_steps(tree: PyTree, axis: int) -> list[PyTree]:
+  """A host tree whose arrays hold several steps along `axis`, as one tree per step."""
+  num_steps = np.shape(jax.tree.leaves(tree)[0])[axis]
+  return [jax.tree.map(lambda x, i=i: np.take(x, i, axis=axis), tree) for i in range(num_steps)]
+
+
 def first_along_leading_axis(tree: PyTree) -> PyTree:
   """Host copy of element 0 of every leaf's leading axis."""
   return jax.tree.map(lambda x: np.asarray(x[0]), to_host(tree))

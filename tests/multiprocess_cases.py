@@ -48,6 +48,10 @@ def config_of(case: str) -> ml_collections.ConfigDict:
     config.strategy.ensemble_mesh_shape = (4, 2)
     config.dropout_rate = 0.1
     return config
+  if case == "device_ensemble":  # nnx_ensemble's setup, the split on the devices, 2 steps a call.
+    config = config_of("nnx_ensemble")
+    config.steps_per_call = 2
+    return config
   if case == "lm_fsdp":  # Every weight and its optimizer state sharded over all 8 devices.
     config = tiny_lm_config("fsdp")
     config.log_every_steps = 1
@@ -58,7 +62,7 @@ def config_of(case: str) -> ml_collections.ConfigDict:
   raise ValueError(f"unknown case {case!r}")
 
 
-CASES = ("resnet_dp", "nnx_ensemble", "lm_fsdp")
+CASES = ("resnet_dp", "nnx_ensemble", "device_ensemble", "lm_fsdp")
 
 
 def trainer_of(case: str, strategy=None):
@@ -68,6 +72,7 @@ def trainer_of(case: str, strategy=None):
   from trainer import LanguageModelTrainer
 
   cls = {"resnet_dp": user_models.ResNetTrainer, "nnx_ensemble": user_models.NnxBatchNormTrainer,
+         "device_ensemble": user_models.NnxBatchNormTrainer,
          "lm_fsdp": LanguageModelTrainer}[case]
   return cls(config_of(case), strategy=strategy)
 
@@ -78,12 +83,25 @@ def global_batch(case: str, step: int, size: int = 16) -> dict[str, np.ndarray]:
   if case == "lm_fsdp":
     from trainer.language_model import synthetic_token_batches
     return next(synthetic_token_batches(7, size, 16, 32, step))
+  if case == "device_ensemble" and size == 16:  # The first batch: shapes for restores.
+    return device_split().device_data(16, seed=7).example_batch()
   images = rng.random((size, 28, 28, 1), dtype=np.float32)
   return {"image": images, "label": rng.integers(0, 10, size).astype(np.int32)}
 
 
+def device_split():
+  """The `device_ensemble` case's train split: 40 uint8 images, the same in every process."""
+  from trainer import data
+  rng = np.random.default_rng(7)
+  return data.Split(images=rng.integers(0, 256, (40, 28, 28, 1), dtype=np.uint8),
+                    labels=rng.integers(0, 10, 40).astype(np.int32))
+
+
 def train_batches(case: str, rows: slice):
-  """`start_step -> batches` of this process's rows."""
+  """`start_step -> batches` of this process's rows (a whole `DeviceData` split for
+  `device_ensemble`: every process places all of it, each step keeps its rows)."""
+  if case == "device_ensemble":
+    return device_split().device_data(16, seed=7)
   def batches(start):
     step = start
     while True:

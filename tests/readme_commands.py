@@ -50,6 +50,8 @@ FEW_STEPS = {
     "benchmarks/multiprocess_step_time.py": ["--steps", "1", "--warmup", "1", "--rounds", "1",
                                              "--batch", "16", "--workloads", "cnn_dp"],
     "benchmarks/structure.py": [],  # Reads source files only: seconds as written.
+    "benchmarks/steps_per_call.py": ["--ks", "1,2", "--models", "one", "--steps", "2",
+                                     "--repeats", "1", "--batch", "16"],
 }
 
 #: What a script's standard output shows when it did its job.
@@ -63,6 +65,7 @@ EXPECTED_OUTPUT = {
     "benchmarks/recipe_cost.py": r"Transformer LM .* bf16\s+\d\.\d{4}\s+\d\.\d{3}x",
     "benchmarks/multiprocess_step_time.py": r"cnn_dp\s+\d\.\d{4}\s+\d\.\d{4}\s+\d\.\d{3}x",
     "benchmarks/structure.py": r"^import cycles\s+\S+\s+0$",
+    "benchmarks/steps_per_call.py": r"one\s+2\s+\d+\.\d\s+\d+\.\d\s+\d+\.\d\s+\d+\.\d{3}x",
 }
 
 

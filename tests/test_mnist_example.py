@@ -89,15 +89,19 @@ def example():
     ("mnist_ensemble", "single_device", SINGLE_KEYS),
     ("mnist_ensemble", "sharded_data_parallel", SINGLE_KEYS),
     ("mnist_ensemble", "sharded_ensemble@memory", ENSEMBLE_KEYS),
+    ("mnist_on_device", None, ENSEMBLE_KEYS),  # Device data, 16 steps a call: calls of 3.
+    ("mnist_ensemble", "single_device@device", SINGLE_KEYS),
 ])
 def test_each_config_trains_on_mock_data(example, tmp_path, config_name, strategy, keys):
-  """`strategy@memory`: the in-memory pipeline instead of the default (Grain)."""
+  """`strategy@memory`: the in-memory pipeline instead of the config's (Grain, or device
+  data for `mnist_on_device`)."""
   config = importlib.import_module(f"configs.{config_name}").get_config()
   strategy, _, pipeline = (strategy or "").partition("@")
   if strategy:
     config.strategy.name = strategy  # The only change needed to switch strategy.
   config.data.pipeline = pipeline or config.data.pipeline
-  assert config.data.pipeline == (pipeline or "grain")
+  assert config.data.pipeline == (pipeline or {"mnist_on_device": "device"}.get(config_name,
+                                                                                "grain"))
   config.batch_size = 16
   config.eval_batch_size = 16
   config.num_train_steps = 6

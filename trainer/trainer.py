@@ -14,8 +14,11 @@ the config before any compute:
   compiled forms;
 - `evaluator` (`trainer.evaluation`): eval and predict over batches of any size.
 
-`fit` resumes what a checkpoint holds, places the data, and hands the rest
-to the loop (`trainer.loop.driver`). The Trainer never touches devices itself.
+`fit` resumes what a checkpoint holds, places the data (host batches fed
+ahead of their call, or a dataset that lives on the devices), and hands the
+rest to the loop (`trainer.loop.driver`), one compiled call of
+`config.steps_per_call` steps at a time (`trainer.loop.chunks`). The Trainer
+never touches devices itself.
 """
 
 from __future__ import annotations
@@ -48,13 +51,20 @@ from trainer.checkpoint import (
   restore_run,
   save_run,
 )
+from trainer.data.device import DeviceData, DeviceSource
 from trainer.data.feed import DeviceFeed, check_train_batch, is_checkpointable
 from trainer.evaluation import MASK_KEY, Evaluator
 from trainer.loop import builtin as actions_lib
 from trainer.loop import driver
 from trainer.loop.actions import Action, FitResult
+from trainer.loop.chunks import ChunkPlan
 from trainer.step import model_variables
-from trainer.step.functions import CompiledSteps, StepFunctions
+from trainer.step.functions import (
+  STEP_LOOPS,
+  CompiledSteps,
+  StepFunctions,
+  default_steps_loop,
+)
 from trainer.step.optim import check_run_length, create_optimizer, create_schedule
 from trainer.step.recipe import Recipe, recipe_from_config
 from trainer.step.train_state import TrainState
@@ -109,7 +119,7 @@ class Trainer(abc.ABC):
       ValueError: an unknown strategy or optimizer, a mesh or rule table that
         does not fit the devices, a batch size that does not split evenly (into
         data replicas and `grad_accum_steps` microbatches), or a recipe field
-        out of range.
+        out of range, or `steps_per_call` below 1.
     """
     self.config = config
     if strategy is None:
@@ -125,8 +135,16 @@ class Trainer(abc.ABC):
     if not isinstance(self.prefetch, int) or self.prefetch < 0:
       raise ValueError(f"config.prefetch_to_device={self.prefetch!r} must be an integer >= 0: "
                        f"how many train batches are put on the devices ahead of their step.")
+    self.steps_per_call = config.steps_per_call
+    if not isinstance(self.steps_per_call, int) or self.steps_per_call < 1:
+      raise ValueError(f"config.steps_per_call={self.steps_per_call!r} must be an integer "
+                       f">= 1: how many train steps one compiled call runs.")
+    steps_loop = config.steps_loop or default_steps_loop(jax.devices()[0].platform)
+    if steps_loop not in STEP_LOOPS:
+      raise ValueError(f"config.steps_loop={config.steps_loop!r} is not one of {STEP_LOOPS} "
+                       f"(or '' for the platform's default).")
     self.recipe = self.build_recipe()
-    self.compiled = CompiledSteps(self, self.strategy)
+    self.compiled = CompiledSteps(self, self.strategy, steps_loop=steps_loop)
     self.evaluator = Evaluator(self.strategy, self.compiled, config.eval_batch_size)
     self.schedule = self.build_schedule()
     self.model = self.build_model()
@@ -261,7 +279,8 @@ class Trainer(abc.ABC):
     actions: list[Action] = [actions_lib.StopOnSignal()] if checkpointer else []
     actions.append(actions_lib.ReportMetrics(
         writer, every_steps=config.log_every_steps,
-        metrics_to_host=self.strategy.metrics_to_host, learning_rate=self.learning_rate,
+        fetch_metrics=self.strategy.fetch_metrics,
+        merge_host_metrics=self.strategy.merge_host_metrics, learning_rate=self.learning_rate,
         batch_size=config.batch_size, counts_skipped=self.recipe.skips_nonfinite))
     if eval_batches is not None:
       actions.append(actions_lib.Evaluate(writer, self.evaluate, eval_batches,
@@ -319,7 +338,8 @@ class Trainer(abc.ABC):
     """Host predictions for a batch of any size (ensemble means for ensembles)."""
     return self.evaluator.predict(state, batch)
 
-  def fit(self, train_batches: Callable[[int], Iterable[Batch]] | Iterable[Batch], *,
+  def fit(self,
+          train_batches: Callable[[int], Iterable[Batch]] | Iterable[Batch] | DeviceData, *,
           num_steps: int, state: TrainState | None = None,
           eval_batches: Callable[[], Iterable[Batch]] | None = None,
           writer: metric_writers.MetricWriter | None = None,
@@ -338,7 +358,9 @@ class Trainer(abc.ABC):
         holds this process's rows (`strategy.process_slice(batch_size)`: all
         of them on one process). An iterator with `get_state`/`set_state`
         (Grain's) has its position saved with each checkpoint and restored
-        on resume.
+        on resume. Or a `DeviceData` (`config.data.pipeline = "device"`): the
+        split is placed on the devices and each step gathers its batch in
+        the compiled call; its position is the step.
       num_steps: the step to stop at.
       state: the state to continue from; else restored from `checkpointer`,
         else created from `config.seed`.
@@ -369,8 +391,13 @@ class Trainer(abc.ABC):
                              workdir=workdir, writer=writer), list(actions))
     resume_step = checkpointer.latest_step() if checkpointer and state is None else None
     start = resume_step or (self.step_of(state) if state is not None else 0)
-    batches = self._train_iterator(train_batches, start, resume_step, checkpointer)
-    batch = next(batches)
+    device_data = train_batches if isinstance(train_batches, DeviceData) else None
+    if device_data is not None:
+      batches = None
+      batch = device_data.example_batch(self.strategy.process_slice(self.config.batch_size))
+    else:
+      batches = self._train_iterator(train_batches, start, resume_step, checkpointer)
+      batch = next(batches)
     self._check_train_batch(batch, start)
     if resume_step:
       state, batch = self._resume(checkpointer, resume_step, batches, batch, run_actions)
@@ -378,32 +405,67 @@ class Trainer(abc.ABC):
       state = self.init_state(batch)
     if logging.getLogger().isEnabledFor(logging.INFO):  # The summary reads every shard.
       logging.info("Strategy %s", summarize(self.strategy, state))
-    step_fn = self.compiled.train(state)
     # Eval and predict are traced now, so that a mistake in them stops the run
     # before it trains rather than at the first evaluation.
     self.evaluator.trace(state, batch, eval_batches)
-    feed = DeviceFeed(itertools.chain([batch], batches), start, check=self._check_train_batch,
-                      put=self.strategy.put_batch, ahead=self.prefetch, stop_step=num_steps,
-                      state_of=batches.get_state if is_checkpointable(batches) else None)
-
-    def advance(state, step):
-      placed, data_state = feed.next()
-      state, outputs = step_fn(state, placed)
-      feed.fill()  # The next batches are read and placed while this step runs.
-      return state, outputs, step + 1, data_state
-
+    chunked = self.steps_per_call > 1 or device_data is not None
+    plan = (ChunkPlan(self.steps_per_call, start=start, num_steps=num_steps,
+                      actions=run_actions) if chunked else None)
+    if device_data is not None:
+      advance = self._device_data_calls(state, device_data, plan)
+    else:
+      advance = self._host_batch_calls(state, itertools.chain([batch], batches), start,
+                                       num_steps, plan, batches)
+    steps_axis = self.strategy.steps_axis if chunked else None
     finite = driver.FiniteCheck(skip=self.recipe.skips_nonfinite, to_host=to_host,
                                 which_models=models_named(self.strategy),
-                                saved_note=lambda: _last_finite_checkpoint(checkpointer))
+                                saved_note=lambda: _last_finite_checkpoint(checkpointer),
+                                steps_axis=steps_axis)
     with _waiting_for_saves(checkpointer):
       result = driver.run(advance, state=state, start=start, num_steps=num_steps,
                           actions=run_actions, finite=finite,
-                          canonical=self.strategy.to_canonical)
+                          canonical=self.strategy.to_canonical, steps_axis=steps_axis)
     if writer is not None:
       writer.flush()
     return result
 
-  def _resume(self, checkpointer: Checkpointer, step: int, batches: Iterator[Batch],
+  def _host_batch_calls(self, state: TrainState, batches: Iterator[Batch], start: int,
+                        num_steps: int, plan: ChunkPlan | None,
+                        source: Any) -> driver.Advance:
+    """`advance` for host batches: each call's batches checked and placed ahead of it
+    (`DeviceFeed`); one step a call, or `plan`'s chunks stacked into one call."""
+    feed = DeviceFeed(batches, start, check=self._check_train_batch,
+                      put=self.strategy.put_batches if plan else self.strategy.put_batch,
+                      ahead=self.prefetch, stop_step=num_steps,
+                      state_of=source.get_state if is_checkpointable(source) else None,
+                      sizes=plan.size if plan else None)
+    call = self.compiled.train_chunk(state) if plan else self.compiled.train(state)
+
+    def advance(state, step):
+      placed, data_state = feed.next()
+      state, outputs = call(state, placed, None) if plan else call(state, placed)
+      feed.fill()  # The next batches are read and placed while this call runs.
+      return state, outputs, step + feed.last_steps, data_state
+
+    return advance
+
+  def _device_data_calls(self, state: TrainState, data: DeviceData,
+                         plan: ChunkPlan) -> driver.Advance:
+    """`advance` for a device-resident dataset: the host only dispatches each call."""
+    source = DeviceSource(data, self.strategy, self.steps_per_call)
+    calls = {n: self.compiled.train_chunk(state, data=data, num_steps=n) for n in plan.sizes}
+    logging.info("Train data on the devices: %d examples, %.1f MB per device",
+                 data.num_examples, data.nbytes / 2**20)
+
+    def advance(state, step):
+      n = plan.size(step)
+      call = calls.get(n) or self.compiled.train_chunk(state, data=data, num_steps=n)
+      state, outputs = call(state, None, source.inputs(step))
+      return state, outputs, step + n, None
+
+    return advance
+
+  def _resume(self, checkpointer: Checkpointer, step: int, batches: Iterator[Batch] | None,
               batch: Batch, actions: list[Action]) -> tuple[TrainState, Batch]:
     """Restores the run saved at `step` in one call: the state, the data position (the
     first batch is read again from there) and the actions' state."""

@@ -1,5 +1,6 @@
 """Data: TFDS datasets (`datasets`), the Grain pipeline (`pipeline`), and the device feed
-that places train batches ahead of their step (`feed`).
+that places train batches ahead of their step (`feed`), and datasets that live on the
+devices (`device`).
 
 The names below are `datasets`' public ones, so `from trainer import data` then
 `data.prepare(...)` reads as before the package existed.
@@ -20,7 +21,9 @@ from trainer.data.datasets import (
   prepare,
   train_batches,
 )
+from trainer.data.device import DeviceData, DeviceSource, as_float_images
 
-__all__ = ["FILE_FORMATS", "MANUAL_DIR_ENV", "MANUAL_FILES", "MNIST_FILES", "Split",
-           "check_idx_file", "check_reachable", "data_source", "eval_batches", "load_split",
-           "num_train_steps", "prepare", "train_batches"]
+__all__ = ["FILE_FORMATS", "MANUAL_DIR_ENV", "MANUAL_FILES", "MNIST_FILES", "DeviceData",
+           "DeviceSource", "Split", "as_float_images", "check_idx_file", "check_reachable",
+           "data_source", "eval_batches", "load_split", "num_train_steps", "prepare",
+           "train_batches"]

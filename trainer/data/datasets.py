@@ -16,12 +16,14 @@ import socket
 import struct
 import urllib.parse
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import jax
 import ml_collections
 import numpy as np
 import tensorflow_datasets as tfds
+
+from trainer.data.device import DeviceData, as_float_images
 
 #: Where `data.manual_dir` comes from when the config leaves it empty.
 MANUAL_DIR_ENV = "TFDS_MANUAL_DIR"
@@ -178,6 +180,12 @@ class Split:
     return {"image": self.images[indices].astype(np.float32) / 255.0,
             "label": self.labels[indices]}
 
+  def device_data(self, batch_size: int, seed: int) -> DeviceData:
+    """The split for `config.data.pipeline = "device"`: placed on the devices, each step's
+    batch (the same values `batch` gives) gathered inside the compiled call."""
+    return DeviceData({"image": self.images, "label": self.labels}, batch_size=batch_size,
+                      seed=seed, transform=as_float_images)
+
 
 def load_split(builder, split: str, chunk: int = 10_000, field: str = "split") -> Split:
   """Reads a whole prepared split (or a TFDS slice of one, e.g. `train[:10%]`) into memory.
@@ -228,14 +236,16 @@ def data_source(builder, split: str, field: str = "split"):
 
 
 def train_batches(split: Split, batch_size: int, seed: int, start_step: int = 0,
-                  rows: slice = slice(None)) -> Iterator[dict[str, np.ndarray]]:
+                  rows: slice = slice(None), permutation: Callable[[int], np.ndarray] | None = None
+                  ) -> Iterator[dict[str, np.ndarray]]:
   """Endless shuffled batches; batch s is a pure function of (seed, s).
 
   Each epoch is a fresh permutation; the last partial batch of an epoch is
   dropped, so every training batch has the global batch size. `rows` picks
   the rows a process feeds (`trainer.strategy.process_slice(batch_size)`):
   only those examples are read, and the global batch does not depend on the
-  number of processes.
+  number of processes. `permutation(epoch)` replaces the epoch's order
+  (`DeviceData.permutation`, to feed the device pipeline's order from the host).
 
   Raises:
     ValueError: the split holds fewer examples than one batch.
@@ -248,7 +258,9 @@ def train_batches(split: Split, batch_size: int, seed: int, start_step: int = 0,
   while True:
     e, i = divmod(step, steps_per_epoch)
     if e != epoch:
-      epoch, order = e, np.random.default_rng((seed, e)).permutation(len(split))
+      epoch = e
+      order = (np.asarray(permutation(e)) if permutation is not None
+               else np.random.default_rng((seed, e)).permutation(len(split)))
     yield split.batch(order[i * batch_size:(i + 1) * batch_size][rows])
     step += 1
 

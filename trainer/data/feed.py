@@ -60,46 +60,66 @@ def is_checkpointable(iterator: Any) -> bool:
 
 
 class DeviceFeed:
-  """Placed batches for steps `start, start + 1, ...`, each put `ahead` steps early.
+  """Placed batches for steps `start, start + 1, ...`, each put `ahead` calls early.
+
+  With `sizes`, each call takes several steps' batches, stacked on a leading
+  step axis and placed together (`Strategy.put_batches`).
 
   Args:
     batches: host batches; the first is the batch for step `start`.
     start: the step of the first batch.
     check: `(host batch, step) -> None`, raises for a batch that cannot run.
-    put: `host batch -> placed batch` (the strategy's `put_batch`).
-    ahead: how many batches beyond the one being consumed are placed (0: none).
+    put: `host batch -> placed batch` (the strategy's `put_batch`), or with
+      `sizes`, `stacked host batches -> placed` (`put_batches`).
+    ahead: how many calls' batches beyond the one being consumed are placed (0: none).
     stop_step: no batch is read for this step or later ones.
     state_of: the data iterator's `get_state`, when it has one.
+    sizes: `step -> how many steps the call starting there runs`; None: one, unstacked.
   """
 
   def __init__(self, batches: Iterator[PyTree], start: int, *,
                check: Callable[[PyTree, int], None], put: Callable[[PyTree], PyTree],
                ahead: int = 1, stop_step: int | None = None,
-               state_of: Callable[[], Any] | None = None):
+               state_of: Callable[[], Any] | None = None,
+               sizes: Callable[[int], int] | None = None):
     self._batches = batches
     self._step = start
     self._stop_step = stop_step
     self._check, self._put, self._ahead, self._state_of = check, put, ahead, state_of
+    self._sizes = sizes
     self._queue: collections.deque = collections.deque()
     self._exhausted = False
+    #: How many steps the batches `next` handed out last are for.
+    self.last_steps = 0
 
   def _read_one(self) -> bool:
-    """Reads, checks and places the next batch; False when there is none to read."""
+    """Reads, checks and places the next call's batches; False when there are none."""
     if self._exhausted or (self._stop_step is not None and self._step >= self._stop_step):
       return False
-    try:
-      batch = next(self._batches)
-    except StopIteration:
-      self._exhausted = True
+    want = self._sizes(self._step) if self._sizes else 1
+    read, state, error = [], None, None
+    while len(read) < want and error is None:
+      try:
+        batch = next(self._batches)
+      except StopIteration:
+        self._exhausted = True
+        break
+      state = self._state_of() if self._state_of else None
+      try:
+        self._check(batch, self._step + len(read))
+      except Exception as e:  # Raised when its call comes.
+        error = e
+      read.append(batch)
+    if not read:
       return False
-    state = self._state_of() if self._state_of else None
-    try:
-      self._check(batch, self._step)
-      entry = (self._put(batch), state, None)
-    except Exception as e:  # Raised when its step comes.
-      entry = (None, state, e)
-    self._queue.append(entry)
-    self._step += 1
+    if error is None:
+      try:
+        placed = (self._put(jax.tree.map(lambda *xs: np.stack(xs), *read)) if self._sizes
+                  else self._put(read[0]))
+      except Exception as e:
+        error = e
+    self._queue.append((None if error else placed, state, error, len(read)))
+    self._step += len(read)
     return True
 
   def fill(self) -> None:
@@ -108,7 +128,7 @@ class DeviceFeed:
       pass
 
   def next(self) -> tuple[PyTree, Any]:
-    """`(placed batch, data state after it)` for the next step.
+    """`(placed batch, data state after it)` for the next call (`last_steps` steps).
 
     Raises:
       StopIteration: the data ran out.
@@ -116,7 +136,7 @@ class DeviceFeed:
     """
     if not self._queue and not self._read_one():
       raise StopIteration
-    placed, state, error = self._queue.popleft()
+    placed, state, error, self.last_steps = self._queue.popleft()
     if error is not None:
       raise error
     return placed, state

@@ -11,7 +11,9 @@ never write into shared state or look at each other.
 Triggers fire when a step boundary is crossed: an action with
 `every_steps=5` runs after a call that took the run from step 3 to step 6, so
 a loop that advances several steps per call misses no boundary
-(`StepView.crossed`). The built-in actions are in `trainer.loop.builtin`.
+(`StepView.crossed`). An action that needs the state of its exact step says
+so with `next_boundary`, and a call of several steps ends there
+(`trainer.loop.chunks`). The built-in actions are in `trainer.loop.builtin`.
 
 A user adds an action without editing the Trainer: subclass `Action` and pass
 it to `fit(..., actions=[...])` (it runs before the built-in `Checkpoint`, so
@@ -43,9 +45,13 @@ class StepView:
     num_steps: the step the run ends at.
     start_step: the step this run started (or resumed) at.
     state: the train state after `step` (device arrays, possibly still computing).
-    outputs: the call's device outputs (`metrics`, `finite`), None before the first.
+    outputs: the call's device outputs (`metrics`, `finite`), None before the first;
+      for a call of several steps, each step's, stacked on `steps_axis`.
+    steps_axis: where `outputs` hold the call's steps (`Strategy.steps_axis`), or
+      None where a call runs one step and its outputs have no step axis.
     eval_results: this step's evaluation, when an action before this one ran one.
     skipped_steps: non-finite updates left out so far (`nonfinite='skip'`).
+    skipped_at: the steps of those updates (checked ones only, as `skipped_steps`).
     stop_reason: why the run stops after this step, once an action has asked.
     preempted: whether that stop came from a signal (nothing slow runs after it).
     eval_seconds: seconds spent evaluating in this run so far.
@@ -60,8 +66,10 @@ class StepView:
   start_step: int
   state: Any
   outputs: PyTree = None
+  steps_axis: int | None = None
   eval_results: Mapping[str, float] | None = None
   skipped_steps: int = 0
+  skipped_at: tuple[int, ...] = ()
   stop_reason: str | None = None
   preempted: bool = False
   eval_seconds: float = 0.0
@@ -132,6 +140,11 @@ class FitResult:
     return self.eval_history[-1][1] if self.eval_history else None
 
 
+def next_multiple(step: int, every_steps: int) -> int | None:
+  """The first multiple of `every_steps` after `step` (None for 0: never)."""
+  return (step // every_steps + 1) * every_steps if every_steps else None
+
+
 class Action:
   """A side effect of the training loop.
 
@@ -161,6 +174,13 @@ class Action:
   def triggers(self, view: StepView) -> bool:
     """Whether `run` runs after this call: when it crossed a multiple of `every_steps`."""
     return bool(view.crossed(self.every_steps))
+
+  def next_boundary(self, step: int) -> int | None:
+    """The first step after `step` at which `run` needs the loop to stop with the state
+    (a call of several steps ends there), or None: by default the next multiple of
+    `every_steps`. An action that overrides `triggers` overrides this too; one that
+    reads only `outputs` (each step's, stacked) returns None."""
+    return next_multiple(step, self.every_steps)
 
   def needs_checked_step(self, view: StepView) -> bool:
     """Whether the step must be known finite before `run`: by default, when it
@@ -205,4 +225,4 @@ class PeriodicCallback(Action):
       self.run(view)
 
 
-__all__ = ["Action", "FitResult", "PeriodicCallback", "Produced", "StepView"]
+__all__ = ["Action", "FitResult", "PeriodicCallback", "Produced", "StepView", "next_multiple"]

@@ -24,8 +24,9 @@ from typing import Any
 import jax
 from clu import metric_writers
 
+from strategies.tree import split_steps
 from trainer import metrics as metrics_lib
-from trainer.loop.actions import Action, Produced, StepView
+from trainer.loop.actions import Action, Produced, StepView, next_multiple
 
 Batch = Mapping[str, Any]
 PyTree = Any
@@ -62,6 +63,9 @@ class StopOnSignal(Action):
   def triggers(self, view: StepView) -> bool:
     return True
 
+  def next_boundary(self, step: int) -> None:
+    return None  # Stops at the end of the call running when the signal comes.
+
   def run(self, view: StepView) -> Produced | None:
     if jax.process_count() > 1:
       from jax.experimental import multihost_utils
@@ -81,30 +85,39 @@ class ReportMetrics(Action):
   """Writes the mean train metrics, the learning rate and throughput every `every_steps`.
 
   Step metrics stay on device until a write; then they come to the host in
-  one transfer and merge in numpy (`metrics_to_host`).
+  one transfer and merge in numpy. A call of several steps holds each step's
+  metrics (`steps_axis`): they are split on the host, so every `every_steps`
+  boundary inside a call gets exactly its own steps' metrics.
 
   Args:
     writer: where scalars go.
-    metrics_to_host: the strategy's merge of several calls' metrics.
+    fetch_metrics: the strategy's transfer of several calls' metrics to the host.
+    merge_host_metrics: the strategy's merge of host metrics into one collection.
     learning_rate: `step -> rate` of the update from `step`, or None if unknown.
     batch_size: examples per step, for examples/s.
     counts_skipped: whether to report `train/skipped_steps` (`nonfinite='skip'`).
   """
 
   def __init__(self, writer: metric_writers.MetricWriter, *, every_steps: int,
-               metrics_to_host: Callable[[list], Any],
+               fetch_metrics: Callable[[list], list],
+               merge_host_metrics: Callable[[list], Any],
                learning_rate: Callable[[int], float | None], batch_size: int,
                counts_skipped: bool = False):
     super().__init__(every_steps=every_steps)
-    self.writer, self.metrics_to_host = writer, metrics_to_host
+    self.writer = writer
+    self.fetch_metrics, self.merge_host_metrics = fetch_metrics, merge_host_metrics
     self.learning_rate, self.batch_size = learning_rate, batch_size
     self.counts_skipped = counts_skipped
-    self._pending: list[PyTree] = []
+    self._pending: list[tuple[int, int | None, PyTree]] = []  # (first step, steps axis, device)
+    self._host: list[tuple[int, PyTree]] = []  # (step, host metrics of that step)
     self._tick = self._eval_seconds = 0.0
     self._last_step = 0
 
   def triggers(self, view: StepView) -> bool:
     return True  # Collects every call's metrics; writes every `every_steps`.
+
+  def next_boundary(self, step: int) -> None:
+    return None  # A call's outputs hold each of its steps' metrics.
 
   def needs_checked_step(self, view: StepView) -> bool:
     # A write reports `skipped_steps`, which must count this step.
@@ -115,35 +128,53 @@ class ReportMetrics(Action):
     self._last_step = view.step
 
   def run(self, view: StepView) -> None:
-    self._pending.append(view.outputs["metrics"])
-    if view.crossed(self.every_steps):
-      self._write(view)
+    self._pending.append((view.previous_step + 1, view.steps_axis, view.outputs["metrics"]))
+    crossed = view.crossed(self.every_steps)
+    if crossed:
+      self._write(view, crossed)
 
   def end(self, view: StepView) -> None:
-    if self._pending:
-      self._write(view)
+    if self._pending or self._host:
+      self._write(view, [view.step])
 
-  def _write(self, view: StepView) -> None:
-    step = view.step
-    merged = self.metrics_to_host(self._pending)
-    scalars = {f"train/{k}": v for k, v in metrics_lib.scalars(merged).items()}
-    lr = self.learning_rate(step - 1)  # The rate of this step's update.
-    if lr is not None:
-      scalars["train/learning_rate"] = lr
-    seconds = (time.perf_counter() - self._tick) - (view.eval_seconds - self._eval_seconds)
-    steps_per_sec = (step - self._last_step) / max(seconds, 1e-9)
-    examples_per_sec = steps_per_sec * self.batch_size
-    eta = (view.num_steps - step) / max(steps_per_sec, 1e-9)
-    logging.info("step %d/%d: %.2f steps/s, %.0f examples/s, ETA %dm%02ds", step,
-                 view.num_steps, steps_per_sec, examples_per_sec, eta // 60, eta % 60)
-    scalars.update({"train/steps_per_sec": steps_per_sec,
-                    "train/examples_per_sec": examples_per_sec})
-    if self.counts_skipped:
-      scalars["train/skipped_steps"] = view.skipped_steps
-    self.writer.write_scalars(step, scalars)
+  def _to_host(self) -> None:
+    """The pending calls' metrics to the host in one transfer, one entry per step."""
+    if not self._pending:
+      return
+    fetched = self.fetch_metrics([m for _, _, m in self._pending])
+    for (first, steps_axis, _), host in zip(self._pending, fetched, strict=True):
+      if steps_axis is None:
+        self._host.append((first, host))
+      else:
+        self._host.extend(enumerate(split_steps(host, steps_axis), start=first))
     self._pending = []
+
+  def _write(self, view: StepView, steps: list[int]) -> None:
+    self._to_host()
+    # One rate for the steps since the last write; boundaries inside one call share it.
+    seconds = (time.perf_counter() - self._tick) - (view.eval_seconds - self._eval_seconds)
+    steps_per_sec = (view.step - self._last_step) / max(seconds, 1e-9)
+    examples_per_sec = steps_per_sec * self.batch_size
+    eta = (view.num_steps - view.step) / max(steps_per_sec, 1e-9)
+    logging.info("step %d/%d: %.2f steps/s, %.0f examples/s, ETA %dm%02ds", view.step,
+                 view.num_steps, steps_per_sec, examples_per_sec, eta // 60, eta % 60)
+    for step in steps:
+      ready = [m for s, m in self._host if s <= step]
+      self._host = [(s, m) for s, m in self._host if s > step]
+      if not ready:
+        continue
+      merged = self.merge_host_metrics(ready)
+      scalars = {f"train/{k}": v for k, v in metrics_lib.scalars(merged).items()}
+      lr = self.learning_rate(step - 1)  # The rate of this step's update.
+      if lr is not None:
+        scalars["train/learning_rate"] = lr
+      scalars.update({"train/steps_per_sec": steps_per_sec,
+                      "train/examples_per_sec": examples_per_sec})
+      if self.counts_skipped:
+        scalars["train/skipped_steps"] = sum(1 for s in view.skipped_at if s <= step)
+      self.writer.write_scalars(step, scalars)
     self._tick, self._eval_seconds = time.perf_counter(), view.eval_seconds
-    self._last_step = step
+    self._last_step = view.step
 
 
 class Evaluate(Action):
@@ -274,6 +305,10 @@ class Checkpoint(Action):
   def triggers(self, view: StepView) -> bool:
     return super().triggers(view) or bool(view.crossed(self.eval_every_steps))
 
+  def next_boundary(self, step: int) -> int | None:
+    ends = [next_multiple(step, every) for every in (self.every_steps, self.eval_every_steps)]
+    return min((b for b in ends if b is not None), default=None)
+
   def run(self, view: StepView) -> None:
     self.save(view.run_state())
     self._last = view.step
@@ -310,6 +345,10 @@ class Profile(Action):
   def triggers(self, view: StepView) -> bool:
     return (self._crossed(view, self.first_step)
             or self._crossed(view, self.first_step + self.num_steps))
+
+  def next_boundary(self, step: int) -> int | None:
+    return next((b for b in (self.first_step, self.first_step + self.num_steps) if b > step),
+                None)
 
   def begin(self, view: StepView) -> None:
     if view.step == self.first_step:

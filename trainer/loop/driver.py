@@ -1,8 +1,8 @@
 """The training loop: advance the state, run the actions, assemble the result.
 
 `run` is the whole loop. `advance(state, step)` runs one compiled call (one
-train step today; several in one call fit the same loop) and returns the new
-state, the call's outputs, the new step and the data position. After each
+train step, or several: `trainer.loop.chunks` plans how many) and returns the
+new state, the call's outputs, the new step and the data position. After each
 call every action whose trigger holds runs, in order, on an immutable
 `StepView`; what it returns is folded into the view the next action sees and
 into the `FitResult`.
@@ -34,7 +34,10 @@ class NonFiniteError(FloatingPointError):
 
 
 class FiniteCheck:
-  """Reads each call's `finite` flag, one call behind: raises, or counts skipped updates.
+  """Reads each call's `finite` flags, one call behind: raises, or counts skipped updates.
+
+  A call of several steps has a flag per step (on the strategy's
+  `steps_axis`); the first non-finite one is reported by its own step.
 
   Args:
     skip: the recipe leaves non-finite updates out (`nonfinite='skip'`): count
@@ -42,36 +45,48 @@ class FiniteCheck:
     to_host: the strategy's host view of a flag (per replica or per member).
     which_models: names the members whose flags are False (ensembles).
     saved_note: says which checkpoint is the last finite state, for the error.
+    steps_axis: where a call's flags hold its steps; None: a call runs one step.
   """
 
   def __init__(self, *, skip: bool, to_host: Callable[[Any], Any],
-               which_models: Callable[[np.ndarray], str], saved_note: Callable[[], str]):
+               which_models: Callable[[np.ndarray], str], saved_note: Callable[[], str],
+               steps_axis: int | None = None):
     self.skip, self.to_host, self.which_models = skip, to_host, which_models
-    self.saved_note = saved_note
+    self.saved_note, self.steps_axis = saved_note, steps_axis
     self._unchecked: list[tuple[int, Any]] = []
-    #: Updates left out so far (`skip`).
-    self.skipped = 0
+    #: The steps whose updates were left out so far (`skip`).
+    self.skipped_at: list[int] = []
+
+  @property
+  def skipped(self) -> int:
+    """Updates left out so far (`skip`)."""
+    return len(self.skipped_at)
 
   def push(self, step: int, flag: Any) -> None:
-    """Checks the calls before this one and keeps this one's flag."""
+    """Checks the calls before this one and keeps this one's flags (`step`: after it)."""
     self.settle()
     self._unchecked.append((step, flag))
 
   def settle(self) -> None:
     """Checks every flag not yet checked (waiting for its call)."""
     while self._unchecked:
-      step, flag = self._unchecked.pop(0)
-      ok = np.ravel(self.to_host(flag))
+      last, flag = self._unchecked.pop(0)
+      ok = np.asarray(self.to_host(flag))
       if ok.all():
         continue
-      if not self.skip:
-        raise NonFiniteError(
-            f"step {step}{self.which_models(ok)}: the loss or the gradient norm is not "
-            f"finite, so training stopped (config.nonfinite='stop'; 'skip' would leave such "
-            f"updates out); {self.saved_note()}.")
-      self.skipped += 1
-      logging.warning("Step %d%s: non-finite loss or gradient norm; update skipped "
-                      "(%d so far)", step, self.which_models(ok), self.skipped)
+      per_step = (ok.reshape(1, -1) if self.steps_axis is None
+                  else np.moveaxis(ok, self.steps_axis, 0).reshape(ok.shape[self.steps_axis], -1))
+      for step, flags in enumerate(per_step, start=last - len(per_step) + 1):
+        if flags.all():
+          continue
+        if not self.skip:
+          raise NonFiniteError(
+              f"step {step}{self.which_models(flags)}: the loss or the gradient norm is not "
+              f"finite, so training stopped (config.nonfinite='stop'; 'skip' would leave "
+              f"such updates out); {self.saved_note()}.")
+        self.skipped_at.append(step)
+        logging.warning("Step %d%s: non-finite loss or gradient norm; update skipped "
+                        "(%d so far)", step, self.which_models(flags), self.skipped)
 
 
 def _fold(view: StepView, produced: Produced | None, result: FitResult) -> StepView:
@@ -93,8 +108,12 @@ def _fold(view: StepView, produced: Produced | None, result: FitResult) -> StepV
 
 def run(advance: Advance, *, state: Any, start: int, num_steps: int,
         actions: Sequence[Action], finite: FiniteCheck | None = None,
-        canonical: Callable[[PyTree], PyTree] = lambda tree: tree) -> FitResult:
+        canonical: Callable[[PyTree], PyTree] = lambda tree: tree,
+        steps_axis: int | None = None) -> FitResult:
   """Advances from `start` until `num_steps` (or a requested stop), running the actions.
+
+  `steps_axis`: where each call's outputs hold its steps (`StepView.steps_axis`),
+  None when `advance` runs one step a call.
 
   Each action's `begin` runs before the first call, its `run` after each call
   at which it triggers, its `end` after the last call, and its `close`
@@ -106,13 +125,15 @@ def run(advance: Advance, *, state: Any, start: int, num_steps: int,
     return {a.name: s for a in actions if (s := a.state_dict()) is not None}
 
   view = StepView(step=start, previous_step=start, num_steps=num_steps, start_step=start,
-                  state=state, canonical=canonical, action_states=action_states)
+                  state=state, canonical=canonical, action_states=action_states,
+                  steps_axis=steps_axis)
 
   def checked(view: StepView) -> StepView:
     if not finite:
       return view
     finite.settle()
-    return dataclasses.replace(view, skipped_steps=finite.skipped)
+    return dataclasses.replace(view, skipped_steps=finite.skipped,
+                               skipped_at=tuple(finite.skipped_at))
 
   begun: list[Action] = []
   try:
@@ -126,7 +147,8 @@ def run(advance: Advance, *, state: Any, start: int, num_steps: int,
       view = dataclasses.replace(
           view, step=step, previous_step=view.step, state=state, outputs=outputs,
           eval_results=None, data_state=data_state,
-          skipped_steps=finite.skipped if finite else 0)
+          skipped_steps=finite.skipped if finite else 0,
+          skipped_at=tuple(finite.skipped_at) if finite else ())
       for action in actions:
         if action.triggers(view):
           if action.needs_checked_step(view):

@@ -151,6 +151,50 @@ class StepFunctions:
     return predictions
 
 
+#: How a call's steps run: a `lax.scan` loop, or unrolled into straight-line code.
+STEP_LOOPS = ("scan", "unroll")
+
+
+def default_steps_loop(platform: str) -> str:
+  """`unroll` on XLA:CPU, where a CNN step inside a loop runs about 12x slower and
+  the unrolled steps give the bits of one step a call (`benchmarks/steps_per_call.py`);
+  `scan` elsewhere, where one loop body compiles once for any number of steps."""
+  return "unroll" if platform == "cpu" else "scan"
+
+
+def several_steps(train_step: Callable, strategy: Strategy, *, data: Any = None,
+               num_steps: int | None = None, loop: str = "scan") -> Callable:
+  """`(state, batches, data inputs) -> (state, outputs)`: `train_step` over several steps.
+
+  With host batches (`data` None) the steps are the leading axis of
+  `batches`. With a device-resident dataset (`trainer.data.DeviceData`) each
+  step gathers its own batch, `data.batch_at(inputs, state.step)`, for
+  `num_steps` steps. Each output gains a leading step axis. `loop` is one
+  of `STEP_LOOPS`.
+  """
+  if data is None:
+    def step_at(state, batches, inputs, i):
+      del inputs
+      return train_step(state, jax.tree.map(lambda x: x[i], batches))
+  else:
+    def step_at(state, batches, inputs, i):
+      del batches, i
+      return train_step(state, data.batch_at(inputs, state.step, strategy))
+
+  def chunk(state, batches, inputs):
+    count = num_steps if data is not None else np.shape(jax.tree.leaves(batches)[0])[0]
+    if loop == "unroll":  # Python-unrolled: `lax.scan(unroll=True)` keeps a loop for 1 step.
+      outputs = []
+      for i in range(count):
+        state, out = step_at(state, batches, inputs, i)
+        outputs.append(out)
+      return state, jax.tree.map(lambda *xs: jnp.stack(xs), *outputs)
+    return jax.lax.scan(lambda state, i: step_at(state, batches, inputs, i), state,
+                        jnp.arange(count))
+
+  return chunk
+
+
 class CompiledSteps:
   """The strategy's compiled train, eval and predict steps, each compiled once on first use.
 
@@ -158,9 +202,10 @@ class CompiledSteps:
   Trainer subclass that overrides one is compiled with its override.
   """
 
-  def __init__(self, hooks: Any, strategy: Strategy):
-    self._hooks, self._strategy = hooks, strategy
+  def __init__(self, hooks: Any, strategy: Strategy, *, steps_loop: str = "scan"):
+    self._hooks, self._strategy, self._steps_loop = hooks, strategy, steps_loop
     self._train = self._eval = self._predict = None
+    self._chunks: dict[Any, Callable] = {}
 
   def train(self, state) -> Callable:
     """The compiled `(state, placed batch) -> (state, outputs)`, donating the state.
@@ -171,6 +216,18 @@ class CompiledSteps:
       self._train = self._strategy.compile_train_step(
           explaining_errors(self._hooks.train_step, self._hooks), state)
     return self._train
+
+  def train_chunk(self, state, *, data: Any = None, num_steps: int | None = None) -> Callable:
+    """The compiled `(state, batches, data inputs) -> (state, outputs)` of several train
+    steps (`several_steps`), donating the state: one program for host batches (their
+    leading axis sets the count), one per `num_steps` for a device dataset `data`."""
+    key = (data, num_steps) if data is not None else None
+    if key not in self._chunks:
+      step = explaining_errors(self._hooks.train_step, self._hooks)
+      self._chunks[key] = self._strategy.compile_train_chunk(
+          several_steps(step, self._strategy, data=data, num_steps=num_steps,
+                     loop=self._steps_loop), state)
+    return self._chunks[key]
 
   def eval(self, state) -> Callable:
     """The compiled `(state, placed batch) -> metrics`."""
