@@ -55,6 +55,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.optimizer = "sgd"  # One of trainer.step.optim.OPTIMIZERS: sgd, adam, adamw.
   config.learning_rate = 0.1  # The peak rate, after warmup.
   config.momentum = 0.9  # sgd; 0 for plain SGD.
+  config.b1 = 0.9  # adam, adamw: the first moment's decay.
   # Decoupled for adamw, added to the gradient (L2) for sgd/adam. Applies to
   # kernels and embeddings only, never to biases or norm scales.
   config.weight_decay = 0.0
@@ -107,6 +108,23 @@ def get_config() -> ml_collections.ConfigDict:
   # CPU-only hosts: how many host devices the entry point makes before jax
   # starts (0: leave jax's default). No effect on GPU/TPU hosts.
   config.num_cpu_devices = 0
+
+  # Sweeps as ensembles (trainer/sweep.py): under an ensemble strategy each member trains
+  # with its own optimizer hyperparameters and seed, one compiled program for all.
+  # `grid`: name -> values, every combination; or `points`: a tuple of {name: value}
+  # dicts; either times `seeds` (empty: config.seed). The member count follows
+  # (ensemble_size 0 takes it). Empty everywhere: no sweep.
+  config.sweep = ml_collections.ConfigDict()
+  config.sweep.grid = ml_collections.ConfigDict()
+  for name in ("learning_rate", "weight_decay", "momentum", "b1", "grad_clip_norm",
+               "warmup_steps"):
+    config.sweep.grid[name] = ()
+  config.sweep.points = ()
+  config.sweep.seeds = ()
+  # The best member by this eval metric ("": the first eval metric) is reported and
+  # exported as a single-model checkpoint (<workdir>/sweep_best).
+  config.sweep.metric = ""
+  config.sweep.mode = "max"  # "max" (accuracy) or "min" (loss).
 
   config.strategy = ml_collections.ConfigDict()
   config.strategy.name = "single_device"  # See strategies.available().

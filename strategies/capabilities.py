@@ -36,6 +36,31 @@ def member_rng(rng: jax.Array, index: int | jax.Array) -> jax.Array:
   return jax.random.fold_in(rng, index)
 
 
+def sweep_size(config: Any) -> int:
+  """How many members `config.sweep` describes (0: no sweep): the grid's product (or
+  the points), times the seeds (`trainer.sweep.Sweep` lists them)."""
+  s = config.sweep
+  sizes = [len(v) for v in s.grid.values() if len(v)]
+  points = len(s.points) or int(np.prod(sizes)) if (len(s.points) or sizes) else 0
+  if not points and not len(s.seeds):
+    return 0
+  return max(points, 1) * max(len(s.seeds), 1)
+
+
+def sweep_seeds(config: Any) -> list[int] | None:
+  """Each sweep member's seed (members are points x seeds, seeds innermost), or None."""
+  size = sweep_size(config)
+  if not size:
+    return None
+  seeds = [int(x) for x in config.sweep.seeds] or [int(config.seed)]
+  return [seeds[i % len(seeds)] for i in range(size)]
+
+
+def ensemble_size(config: Any, default: int) -> int:
+  """`config.ensemble_size`, else the sweep's member count, else `default`."""
+  return config.ensemble_size or sweep_size(config) or default
+
+
 class Ensemble(abc.ABC):
   """Several independently initialised models (members) on a leading axis of every state array.
 
@@ -48,6 +73,9 @@ class Ensemble(abc.ABC):
   #: How many members the state holds.
   num_members: int
   name: str
+  #: Each member's own seed (a sweep's): member i then starts from `PRNGKey(seed_i)`,
+  #: the single-model run with that seed. None: `member_rng(rng, i)`.
+  member_seeds: list[int] | None = None
 
   @abc.abstractmethod
   def mean_over_members(self, tree: PyTree) -> PyTree:
@@ -59,6 +87,8 @@ class Ensemble(abc.ABC):
 
   def member_rngs(self, rng: jax.Array) -> jax.Array:
     """The init RNGs of all members, stacked."""
+    if self.member_seeds is not None:
+      return jax.numpy.stack([jax.random.PRNGKey(s) for s in self.member_seeds])
     return jax.vmap(lambda i: member_rng(rng, i))(jax.numpy.arange(self.num_members))
 
   def merge_device_axis(self, metrics: PyTree) -> PyTree:

@@ -8,7 +8,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from strategies.base import InitFn, PyTree, StepFn, Strategy
-from strategies.capabilities import Ensemble
+from strategies.capabilities import Ensemble, ensemble_size, sweep_seeds
 from strategies.mesh import OneProcess
 from strategies.registry import register
 from strategies.tree import abstract_with_sharding
@@ -42,7 +42,9 @@ class PmapEnsemble(Ensemble, OneProcess, Strategy):
 
   @classmethod
   def from_config(cls, config: ml_collections.ConfigDict) -> PmapEnsemble:
-    return cls(num_members=config.ensemble_size or jax.local_device_count())
+    strategy = cls(num_members=ensemble_size(config, jax.local_device_count()))
+    strategy.member_seeds = sweep_seeds(config)
+    return strategy
 
   @property
   def num_data_replicas(self) -> int:

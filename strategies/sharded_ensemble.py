@@ -21,7 +21,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from strategies.base import InitFn, PyTree, StepFn, Strategy
-from strategies.capabilities import Ensemble
+from strategies.capabilities import Ensemble, ensemble_size, sweep_seeds
 from strategies.mesh import BATCH_AXIS, GlobalMeshBatch
 from strategies.registry import register
 from strategies.tree import abstract_with_sharding
@@ -95,9 +95,11 @@ class ShardedEnsemble(Ensemble, GlobalMeshBatch, Strategy):
 
   @classmethod
   def from_config(cls, config: ml_collections.ConfigDict) -> ShardedEnsemble:
-    return cls(num_members=config.ensemble_size or jax.device_count(),
-               mesh_shape=config.strategy.ensemble_mesh_shape,
-               loop=config.strategy.ensemble_loop)
+    strategy = cls(num_members=ensemble_size(config, jax.device_count()),
+                   mesh_shape=config.strategy.ensemble_mesh_shape,
+                   loop=config.strategy.ensemble_loop)
+    strategy.member_seeds = sweep_seeds(config)
+    return strategy
 
   @property
   def num_data_replicas(self) -> int:

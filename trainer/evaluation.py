@@ -8,6 +8,7 @@ that do not depend on `eval_batch_size` or the strategy.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
@@ -113,6 +114,29 @@ class Evaluator:
     Raises:
       ValueError: `batches` is empty.
     """
+    return metrics_lib.scalars(self.strategy.metrics_to_host(self._eval_outputs(state,
+                                                                                 batches)))
+
+  def evaluate_members(self, state, batches: Iterable[Batch]) -> list[dict[str, float]]:
+    """Each ensemble member's own eval metrics (a sweep's results), one dict per member.
+
+    A member's `member_*` metrics are its own; they are returned without the
+    prefix (`accuracy`), and the ensemble-wide ones are left out.
+
+    Raises:
+      ValueError: `batches` is empty.
+    """
+    host = self.strategy.fetch_metrics(self._eval_outputs(state, batches))
+    merged = functools.reduce(lambda a, b: a.merge(b), host)  # Over calls, not members.
+    results = []
+    for i in range(np.shape(jax.tree.leaves(merged)[0])[0]):
+      scalars = metrics_lib.scalars(jax.tree.map(lambda x, i=i: x[i], merged))
+      own = {k.removeprefix("member_"): v for k, v in scalars.items()
+             if k.startswith("member_")}
+      results.append(own or scalars)
+    return results
+
+  def _eval_outputs(self, state, batches: Iterable[Batch]) -> list:
     step_fn = self.compiled.eval(state)
     outputs = []
     for batch in batches:
@@ -121,7 +145,7 @@ class Evaluator:
         wait_for_previous_call(outputs)
     if not outputs:
       raise ValueError("evaluate() got no eval batches (an empty iterable).")
-    return metrics_lib.scalars(self.strategy.metrics_to_host(outputs))
+    return outputs
 
   def predict(self, state, batch: Batch) -> np.ndarray:
     """Host predictions for a batch of any size (ensemble means for ensembles)."""

@@ -26,7 +26,9 @@ from __future__ import annotations
 import abc
 import contextlib
 import itertools
+import json
 import logging
+import os
 import zlib
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
@@ -68,6 +70,15 @@ from trainer.step.functions import (
 from trainer.step.optim import check_run_length, create_optimizer, create_schedule
 from trainer.step.recipe import Recipe, recipe_from_config
 from trainer.step.train_state import TrainState
+from trainer.sweep import (
+  Sweep,
+  check_sweep_fits,
+  format_table,
+  place_hyperparameters,
+  single_model_opt_state,
+  summary_rows,
+  swept_optimizer,
+)
 
 Batch = Mapping[str, Any]
 PyTree = Any
@@ -122,12 +133,21 @@ class Trainer(abc.ABC):
         out of range, or `steps_per_call` below 1.
     """
     self.config = config
+    self.sweep = Sweep.from_config(config)  # Checked before the strategy counts its members.
     if strategy is None:
-      strategy = create_strategy(config)  # Checks the process count itself.
+      try:
+        strategy = create_strategy(config)  # Checks the process count itself.
+      except ValueError as e:
+        if self.sweep is None or config.ensemble_size:
+          raise
+        raise ValueError(f"config.sweep describes {len(self.sweep)} members (the ensemble's "
+                         f"size, since config.ensemble_size=0): {e}") from e
     else:
       check_processes(type(strategy))
     self.strategy = strategy
     self.strategy.check_batch_size(config.batch_size)
+    if self.sweep is not None:
+      check_sweep_fits(self.sweep, strategy)
     if num_train_steps is None and config.num_train_steps > 0:
       num_train_steps = config.num_train_steps
     self.num_train_steps = num_train_steps
@@ -182,8 +202,11 @@ class Trainer(abc.ABC):
   def build_schedule(self) -> optax.Schedule | None:
     """`step -> learning rate`, logged as `train/learning_rate`; from `config.schedule`.
 
-    Return None if `build_optimizer` makes its own learning rates.
+    Return None if `build_optimizer` makes its own learning rates (a sweep's are per
+    member, in each member's optimizer state).
     """
+    if self.sweep is not None:
+      return None
     return create_schedule(self.config, self.num_train_steps)
 
   def build_optimizer(self) -> optax.GradientTransformation:
@@ -191,7 +214,11 @@ class Trainer(abc.ABC):
 
     The default clips by `grad_clip_norm` and decays the weights that
     `trainer.step.optim.default_decay_mask` selects (not biases or norm scales).
+    Under `config.sweep` the same chain takes each member's hyperparameters from
+    its state (`trainer.sweep.swept_optimizer`).
     """
+    if self.sweep is not None:
+      return swept_optimizer(self.config, self.sweep, self.num_train_steps)
     return create_optimizer(self.config, self.schedule)
 
   def learning_rate(self, step: int) -> float | None:
@@ -286,6 +313,13 @@ class Trainer(abc.ABC):
       actions.append(actions_lib.Evaluate(writer, self.evaluate, eval_batches,
                                           every_steps=eval_every,
                                           variants=self.recipe.eval_variants))
+    if self.sweep is not None and eval_batches is not None:
+      actions.append(actions_lib.SweepReport(
+          writer, self.evaluator.evaluate_members, eval_batches,
+          labels=[self.sweep.label(i) for i in range(len(self.sweep))],
+          every_steps=eval_every, metric=config.sweep.metric, mode=config.sweep.mode,
+          summarize=lambda state, step, results, best: self.finish_sweep(
+              state, step, results, best, workdir)))
     if config.early_stopping.metric:
       if eval_batches is None:
         raise ValueError(f"config.early_stopping.metric={config.early_stopping.metric!r} "
@@ -315,7 +349,10 @@ class Trainer(abc.ABC):
     """Creates the placed train state; `rng` defaults to `PRNGKey(config.seed)`."""
     if rng is None:
       rng = jax.random.PRNGKey(self.config.seed)
-    return self.strategy.create_state(self.steps.init_fn(example_batch), rng)
+    state = self.strategy.create_state(self.steps.init_fn(example_batch), rng)
+    if self.sweep is not None:  # Each member's own hyperparameters into its optimizer.
+      state = place_hyperparameters(state, self.sweep)
+    return state
 
   def compiled_train_step(self, state: TrainState) -> Callable:
     """The compiled `(state, placed batch) -> (state, outputs)` that `fit` calls each step."""
@@ -493,6 +530,48 @@ class Trainer(abc.ABC):
   def _check_train_batch(self, batch: Batch, step: int) -> None:
     check_train_batch(batch, step, batch_size=self.config.batch_size,
                       rows=self.strategy.process_slice(self.config.batch_size))
+
+  # -- Sweeps ------------------------------------------------------------------
+
+  def finish_sweep(self, state: TrainState, step: int, results: list[dict[str, float]],
+                   best: int, workdir: str | None) -> None:
+    """A sweep's summary: a table in the log; with a `workdir`, `sweep.json` and the best
+    member as a single-model checkpoint in `<workdir>/sweep_best` (its config beside it,
+    `sweep_best_config.json`)."""
+    rows = summary_rows(self.sweep, results)
+    names = list(results[0])
+    logging.info("Sweep at step %d, best member %d (%s):\n%s", step, best,
+                 self.sweep.label(best), format_table(rows, ["label", *names]))
+    if not workdir or jax.process_index() > 0:
+      return
+    os.makedirs(workdir, exist_ok=True)
+    with open(os.path.join(workdir, "sweep.json"), "w") as f:
+      json.dump({"step": step, "metric": self.config.sweep.metric or names[0],
+                 "mode": self.config.sweep.mode, "best": rows[best], "members": rows}, f,
+                indent=1)
+    self.export_member(state, best, os.path.join(workdir, "sweep_best"))
+    with open(os.path.join(workdir, "sweep_best_config.json"), "w") as f:
+      f.write(self.sweep.member_config(self.config, best).to_json(indent=1))
+
+  def export_member(self, state: TrainState, member: int, directory: str) -> None:
+    """Writes sweep member `member` as a single-model checkpoint in `directory`: it restores
+    under any single-model strategy built from `sweep.member_config(config, member)`, and a
+    run there resumes from it (the optimizer state in that config's layout)."""
+    from strategies.single_device import SingleDevice
+    one = jax.tree.map(lambda x: x[member], self.strategy.to_canonical(state))
+    config = self.sweep.member_config(self.config, member)
+    plain = create_optimizer(config, create_schedule(config, self.num_train_steps))
+    one = one.replace(opt_state=single_model_opt_state(one.opt_state, plain.init(one.params)))
+    strategy = SingleDevice()
+    checkpointer = Checkpointer(directory, every_steps=0, async_save=False)
+    try:
+      save_run(checkpointer, strategy, RunState(jax.device_put(one, strategy.device),
+                                                int(one.step)))
+      checkpointer.wait()
+    finally:
+      checkpointer.close()
+    logging.info("Sweep member %d (%s) exported to %s", member, self.sweep.label(member),
+                 directory)
 
   # -- Checkpoints -------------------------------------------------------------
 

@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import jax
+import numpy as np
 from clu import metric_writers
 
 from strategies.tree import split_steps
@@ -220,6 +221,75 @@ class Evaluate(Action):
     return None
 
 
+class SweepReport(Action):
+  """A sweep's results: each member's eval metrics under its label, the best member, a
+  summary at the end (a table in the log, `sweep.json`), and the best member exported.
+
+  Args:
+    writer: where `eval/<label>/<metric>` scalars go.
+    evaluate_members: `(state, batches) -> [results of member i]`.
+    eval_batches: returns a fresh iterable of eval batches per evaluation.
+    labels: each member's label (`Sweep.label`).
+    every_steps: the evaluation schedule (and the last step).
+    metric, mode: what "best" means (`config.sweep.metric`/`mode`; "" takes the
+      first metric).
+    summarize: `(step, results, best index) -> None`: writes the summary files
+      and exports the best member (`Trainer.finish_sweep`).
+  """
+
+  reads_state = True
+
+  def __init__(self, writer: metric_writers.MetricWriter,
+               evaluate_members: Callable[[Any, Iterable[Batch]], list[dict[str, float]]],
+               eval_batches: Callable[[], Iterable[Batch]], *, labels: list[str],
+               every_steps: int, metric: str, mode: str,
+               summarize: Callable[[Any, int, list[dict[str, float]], int], None]):
+    if mode not in ("min", "max"):
+      raise ValueError(f"config.sweep.mode={mode!r} must be 'min' or 'max'.")
+    super().__init__(every_steps=every_steps)
+    self.writer, self.evaluate_members, self.eval_batches = writer, evaluate_members, eval_batches
+    self.labels, self.metric, self.mode, self.summarize = labels, metric, mode, summarize
+    self.results: list[dict[str, float]] | None = None
+    self._last: int | None = None
+
+  def triggers(self, view: StepView) -> bool:
+    return super().triggers(view) and not view.preempted
+
+  def run(self, view: StepView) -> Produced:
+    start = time.perf_counter()
+    self.results = self.evaluate_members(view.state, self.eval_batches())
+    self.writer.write_scalars(view.step, {f"eval/{label}/{k}": v for label, r in
+                                          zip(self.labels, self.results, strict=True)
+                                          for k, v in r.items()})
+    self._last = view.step
+    best = self.best()
+    return Produced(eval_seconds=time.perf_counter() - start,
+                    best=(view.step, self.results[best][self.metric_name()]))
+
+  def metric_name(self) -> str:
+    if self.metric and self.metric not in self.results[0]:
+      raise ValueError(f"config.sweep.metric={self.metric!r} is not a member's eval metric; "
+                       f"they are {sorted(self.results[0])}.")
+    return self.metric or next(iter(self.results[0]))
+
+  def best(self) -> int:
+    """The index of the best member by the last evaluation."""
+    values = np.asarray([r[self.metric_name()] for r in self.results], dtype=float)
+    bad = -np.inf if self.mode == "max" else np.inf
+    values = np.where(np.isnan(values), bad, values)
+    return int(np.argmax(values) if self.mode == "max" else np.argmin(values))
+
+  def end(self, view: StepView) -> Produced | None:
+    if view.preempted:
+      return None
+    produced = None
+    if self._last != view.step and view.step > view.start_step:
+      produced = self.run(view)
+    if self.results is not None:
+      self.summarize(view.state, view.step, self.results, self.best())
+    return produced
+
+
 class EarlyStopping(Action):
   """Stops when `metric` has not improved by `min_delta` for `patience` evaluations.
 
@@ -401,4 +471,4 @@ def with_user_actions(defaults: list[Action], user: list[Action]) -> list[Action
 
 
 __all__ = ["Checkpoint", "EarlyStopping", "Evaluate", "Profile", "ReportMetrics",
-           "StopOnSignal", "with_user_actions"]
+           "StopOnSignal", "SweepReport", "with_user_actions"]

@@ -1,7 +1,7 @@
 """The optimizer recipe from config: learning-rate schedule, clipping, weight decay with a mask.
 
 Fields read (all in `configs/base.py`): `optimizer`, `learning_rate` (the
-peak), `momentum`, `weight_decay`, `grad_clip_norm`, and `schedule.{name,
+peak), `momentum`, `b1`, `weight_decay`, `grad_clip_norm`, and `schedule.{name,
 warmup_steps, end_factor}`. Each is read here and nowhere else.
 """
 
@@ -123,11 +123,11 @@ def create_optimizer(config: ml_collections.ConfigDict, schedule: optax.Schedule
     raise ValueError(f"config.weight_decay={decay!r} must be >= 0 (0: no weight decay).")
   parts = [optax.clip_by_global_norm(clip)] if clip else []
   if name == "adamw":
-    parts.append(optax.adamw(schedule, weight_decay=decay, mask=decay_mask))
+    parts.append(optax.adamw(schedule, b1=config.b1, weight_decay=decay, mask=decay_mask))
   else:
     if decay:
       parts.append(optax.add_decayed_weights(decay, mask=decay_mask))
     parts.append(optax.sgd(schedule, momentum=config.momentum or None) if name == "sgd"
-                 else optax.adam(schedule))
+                 else optax.adam(schedule, b1=config.b1))
   # One part stays unchained, so a plain optimizer's state has the plain layout.
   return parts[0] if len(parts) == 1 else optax.chain(*parts)

@@ -1,0 +1,156 @@
+"""Sweeps as ensembles: one compiled run trains a grid of optimizer hyperparameters.
+
+Member i of a sweep must be the single-device run with member i's
+hyperparameters and seed (`Sweep.member_config`), whichever ensemble layout
+holds it; its results are reported under its label, and the best member is
+exported as a single-model checkpoint that resumes under another strategy.
+"""
+
+import json
+
+import flax.linen as nn
+import jax
+import numpy as np
+import pytest
+from conftest import cnn_config, image_batches
+
+from strategies.pmap_data_parallel import PmapDataParallel
+from strategies.single_device import SingleDevice
+from trainer import ClassificationTrainer, writers
+from trainer.checkpoint import Checkpointer
+from trainer.sweep import Sweep
+
+
+class FlaxStyleNet(nn.Module):
+  """BatchNorm over the `batch` axis and dropout by `train`, as the Flax examples write them."""
+
+  @nn.compact
+  def __call__(self, x, train: bool = True):
+    x = nn.Dense(16)(x.reshape((x.shape[0], -1)))
+    x = nn.BatchNorm(use_running_average=not train, axis_name="batch")(x)
+    x = nn.Dropout(0.2, deterministic=not train)(nn.relu(x))
+    return nn.Dense(10)(x)
+
+
+class FlaxStyleTrainer(ClassificationTrainer):
+  def build_model(self):
+    return FlaxStyleNet()
+
+
+def _config(**overrides):
+  return cnn_config(**{"ensemble_size": 0, "schedule.warmup_steps": 2, **overrides})
+
+
+LAYOUTS = {
+    # 8 members, one per device.
+    "pmap_ensemble": {"strategy.name": "pmap_ensemble", "sweep.grid.learning_rate": (0.1, 0.02),
+                      "sweep.grid.momentum": (0.0, 0.9), "sweep.seeds": (1, 2)},
+    # 8 members, 4 on each of 2 devices: clipping, weight decay and warmup per member.
+    "sharded_4_per_device": {
+        "strategy.name": "sharded_ensemble", "strategy.ensemble_mesh_shape": (2, 1),
+        "sweep.points": ({"learning_rate": 0.1, "grad_clip_norm": 0.5},
+                         {"learning_rate": 0.05, "weight_decay": 0.01},
+                         {"learning_rate": 0.02, "warmup_steps": 0},
+                         {"learning_rate": 0.1, "grad_clip_norm": 0.0, "weight_decay": 0.001}),
+        "sweep.seeds": (5, 6)},
+    # 4 members, each split over 2 data devices (BatchNorm over both; each data replica
+    # draws its own dropout masks, so the reference is 2-way data parallel, not one device).
+    "sharded_data_parallel_members": {
+        "strategy.name": "sharded_ensemble", "strategy.ensemble_mesh_shape": (2, 2),
+        "sweep.grid.learning_rate": (0.1, 0.03), "sweep.seeds": (0, 7)},
+}
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_each_member_is_the_single_device_run_of_its_hyperparameters(layout):
+  config = _config(**LAYOUTS[layout])
+  trainer = FlaxStyleTrainer(config)
+  batches = image_batches(5, 16)
+  swept = trainer.strategy.to_canonical(trainer.fit(batches, num_steps=5).state)
+  assert np.shape(jax.tree.leaves(swept.params)[0])[0] == len(trainer.sweep)
+  reference = (PmapDataParallel(devices=jax.devices()[:2])
+               if layout == "sharded_data_parallel_members" else SingleDevice())
+  for i in range(len(trainer.sweep)):
+    member = trainer.sweep.member_config(config, i)
+    single = FlaxStyleTrainer(member, strategy=reference)
+    assert single.sweep is None
+    want = single.strategy.to_canonical(single.fit(batches, num_steps=5).state)
+    for a, b in zip(jax.tree.leaves((want.params, want.model_state)),
+                    jax.tree.leaves((swept.params, swept.model_state)), strict=True):
+      np.testing.assert_allclose(np.asarray(b)[i], a, rtol=1e-5, atol=1e-6,
+                                 err_msg=trainer.sweep.label(i))
+  # The members really differ: the sweep is not one model eight times.
+  first = np.asarray(jax.tree.leaves(swept.params)[0])
+  assert not np.allclose(first[0], first[-1])
+
+
+def test_results_by_label_the_best_member_and_its_export(tmp_path):
+  overrides = {**LAYOUTS["sharded_4_per_device"], "sweep.metric": "accuracy",
+               "sweep.mode": "max", "eval_every_steps": 2}
+  config = _config(**overrides)
+  trainer = FlaxStyleTrainer(config)
+  batches = image_batches(8, 16)
+  workdir = tmp_path / "sweep"
+  writer = writers.create_writer(str(workdir))
+  result = trainer.fit(lambda s: batches[s:], num_steps=4, writer=writer, workdir=str(workdir),
+                       eval_batches=lambda: image_batches(2, 16, seed=9))
+  writer.close()
+  rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+  labels = [trainer.sweep.label(i) for i in range(len(trainer.sweep))]
+  assert labels[0] == "learning_rate=0.1,weight_decay=0,grad_clip_norm=0.5,warmup_steps=2,seed=5"
+  for step in (2, 4):  # Every member's metrics, under its label, at every evaluation.
+    got = {r["split"] for r in rows if r["step"] == step}
+    assert {f"eval/{label}" for label in labels} <= got
+  summary = json.loads((workdir / "sweep.json").read_text())
+  accuracies = [m["accuracy"] for m in summary["members"]]
+  assert summary["best"]["member"] == int(np.argmax(accuracies))
+  assert summary["best"]["label"] == labels[summary["best"]["member"]]
+  assert result.best == (4, max(accuracies))
+
+  # The best member as a single model: it restores under other strategies and resumes.
+  best = summary["best"]["member"]
+  member_config = trainer.sweep.member_config(config, best)
+  exported = json.loads((workdir / "sweep_best_config.json").read_text())
+  assert exported["learning_rate"] == member_config.learning_rate
+  swept = trainer.strategy.to_canonical(result.state)
+  for name in ("single_device", "pmap_data_parallel"):
+    member_config.strategy.name = name
+    single = FlaxStyleTrainer(member_config)
+    restored = single.restore_checkpoint(Checkpointer(workdir / "sweep_best"), batches[0])
+    assert single.step_of(restored) == 4
+    for a, b in zip(jax.tree.leaves(swept.params),
+                    jax.tree.leaves(single.strategy.to_canonical(restored.params)), strict=True):
+      np.testing.assert_array_equal(np.asarray(a)[best], b)
+  resumed = single.fit(lambda s: batches[s:], num_steps=6,
+                       checkpointer=Checkpointer(workdir / "sweep_best", every_steps=0))
+  assert resumed.step == 6
+
+
+def test_a_grid_is_the_product_of_its_values_times_the_seeds():
+  config = _config(**{"strategy.name": "sharded_ensemble", "sweep.grid.learning_rate": (0.1, 0.2),
+                      "sweep.grid.weight_decay": (0.0, 0.1, 0.2), "sweep.seeds": (3, 4)})
+  sweep = Sweep.from_config(config)
+  assert len(sweep) == 12
+  assert sweep.varied == ("learning_rate", "weight_decay", "seed")
+  assert sweep.label(5) == "learning_rate=0.1,weight_decay=0.2,seed=4"
+  assert sweep.members[5]["momentum"] == config.momentum  # Unswept: the config's value.
+  assert Sweep.from_config(_config()) is None
+
+
+@pytest.mark.parametrize("overrides,message", [
+    ({"strategy.name": "single_device", "sweep.grid.learning_rate": (0.1, 0.2)},
+     r"config.sweep describes 2 members, but strategy 'single_device' trains one model"),
+    ({"strategy.name": "sharded_ensemble", "ensemble_size": 8,
+      "sweep.grid.learning_rate": (0.1, 0.2)},
+     r"config.sweep describes 2 members but the strategy 'sharded_ensemble' holds 8"),
+    ({"strategy.name": "sharded_ensemble", "sweep.grid.learning_rate": (0.1, 0.2, 0.3)},
+     r"config.sweep describes 3 members .*: config.ensemble_size=3 does not divide over the "
+     r"8 devices"),
+    ({"strategy.name": "sharded_ensemble", "sweep.points": ({"dropout": 0.1},)},
+     r"config.sweep.points has \['dropout'\], which cannot be swept"),
+    ({"strategy.name": "sharded_ensemble", "sweep.grid.learning_rate": (0.1, -0.2)},
+     r"config.sweep value learning_rate=-0.2 is out of range"),
+])
+def test_a_sweep_that_cannot_run_is_refused_naming_the_numbers(overrides, message):
+  with pytest.raises(ValueError, match=message):
+    FlaxStyleTrainer(_config(**overrides))
