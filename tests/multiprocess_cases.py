@@ -52,6 +52,12 @@ def config_of(case: str) -> ml_collections.ConfigDict:
     config = config_of("nnx_ensemble")
     config.steps_per_call = 2
     return config
+  if case == "sweep_ensemble":  # nnx_ensemble's layout as a sweep: 2 learning rates x 2 seeds.
+    config = config_of("nnx_ensemble")
+    config.ensemble_size = 0
+    config.sweep.grid.learning_rate = (0.05, 0.02)
+    config.sweep.seeds = (0, 1)
+    return config
   if case == "lm_fsdp":  # Every weight and its optimizer state sharded over all 8 devices.
     config = tiny_lm_config("fsdp")
     config.log_every_steps = 1
@@ -62,7 +68,7 @@ def config_of(case: str) -> ml_collections.ConfigDict:
   raise ValueError(f"unknown case {case!r}")
 
 
-CASES = ("resnet_dp", "nnx_ensemble", "device_ensemble", "lm_fsdp")
+CASES = ("resnet_dp", "nnx_ensemble", "device_ensemble", "sweep_ensemble", "lm_fsdp")
 
 
 def trainer_of(case: str, strategy=None):
@@ -73,6 +79,7 @@ def trainer_of(case: str, strategy=None):
 
   cls = {"resnet_dp": user_models.ResNetTrainer, "nnx_ensemble": user_models.NnxBatchNormTrainer,
          "device_ensemble": user_models.NnxBatchNormTrainer,
+         "sweep_ensemble": user_models.NnxBatchNormTrainer,
          "lm_fsdp": LanguageModelTrainer}[case]
   return cls(config_of(case), strategy=strategy)
 

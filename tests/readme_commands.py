@@ -52,6 +52,8 @@ FEW_STEPS = {
     "benchmarks/structure.py": [],  # Reads source files only: seconds as written.
     "benchmarks/steps_per_call.py": ["--ks", "1,2", "--models", "one", "--steps", "2",
                                      "--repeats", "1", "--batch", "16"],
+    "benchmarks/sweep_vs_runs.py": ["--members", "2", "--steps", "3", "--batch", "16",
+                                    "--devices", "2"],
 }
 
 #: What a script's standard output shows when it did its job.
@@ -66,6 +68,7 @@ EXPECTED_OUTPUT = {
     "benchmarks/multiprocess_step_time.py": r"cnn_dp\s+\d\.\d{4}\s+\d\.\d{4}\s+\d\.\d{3}x",
     "benchmarks/structure.py": r"^import cycles\s+\S+\s+0$",
     "benchmarks/steps_per_call.py": r"one\s+2\s+\d+\.\d\s+\d+\.\d\s+\d+\.\d\s+\d+\.\d{3}x",
+    "benchmarks/sweep_vs_runs.py": r"^ratio\s+\d+\.\d{2}x\s+\d+\.\d{2}x",
 }
 
 

@@ -4,7 +4,8 @@ One `python -m trainer.distributed.launch --num_processes 2` run (module fixture
 every case of `tests/multiprocess_cases.py` (jit data parallel with a Linen
 BatchNorm ResNet, an NNX BatchNorm+dropout ensemble with members spread over
 both processes, the same ensemble fed from a split on the devices two steps a
-call, the FSDP transformer LM) and resumes a checkpoint that one
+call, the same layout as a sweep of 2 learning rates x 2 seeds, the FSDP
+transformer LM) and resumes a checkpoint that one
 process wrote under `single_device`. The tests compare what it wrote with
 the same runs in this process and restore its checkpoints here, under the
 strategy that wrote them and under another.
@@ -107,7 +108,7 @@ def _other_strategy(case: str):
   """A layout other than the one that wrote the case's checkpoint."""
   if case == "resnet_dp":
     return SingleDevice()
-  if case in ("nnx_ensemble", "device_ensemble"):
+  if case in ("nnx_ensemble", "device_ensemble", "sweep_ensemble"):
     return PmapEnsemble(num_members=4, devices=jax.devices()[:4])
   return ShardedDataParallel((2, 4), ("data", "model"), (("batch", "data"),))  # Unsharded LM.
 

@@ -101,6 +101,7 @@ def test_results_by_label_the_best_member_and_its_export(tmp_path):
   for step in (2, 4):  # Every member's metrics, under its label, at every evaluation.
     got = {r["split"] for r in rows if r["step"] == step}
     assert {f"eval/{label}" for label in labels} <= got
+  assert (workdir / "sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
   summary = json.loads((workdir / "sweep.json").read_text())
   accuracies = [m["accuracy"] for m in summary["members"]]
   assert summary["best"]["member"] == int(np.argmax(accuracies))
@@ -121,6 +122,10 @@ def test_results_by_label_the_best_member_and_its_export(tmp_path):
     for a, b in zip(jax.tree.leaves(swept.params),
                     jax.tree.leaves(single.strategy.to_canonical(restored.params)), strict=True):
       np.testing.assert_array_equal(np.asarray(a)[best], b)
+    # The sweep reported the best member's own metrics (its ECE too, not a share of it).
+    alone = single.evaluate(restored, image_batches(2, 16, seed=9))
+    for name in ("accuracy", "nll", "ece"):
+      np.testing.assert_allclose(summary["best"][name], alone[name], rtol=1e-5, atol=1e-7)
   resumed = single.fit(lambda s: batches[s:], num_steps=6,
                        checkpointer=Checkpointer(workdir / "sweep_best", every_steps=0))
   assert resumed.step == 6

@@ -73,10 +73,13 @@ class CalibrationError(metrics.Metric):
                       correct=self.correct + other.correct)
 
   def compute(self) -> jax.Array:
-    # The bins are the last axis; any leading axis (members) is averaged over.
-    # Array methods only, so host (numpy) metrics compute without a jax op.
+    # The bins are the last axis; any leading axis (members) is averaged over the rows
+    # that saw examples (one member's row alone is that member's ECE, as a sweep
+    # reports it). Array methods only, so host (numpy) metrics compute without a jax op.
     gaps = abs(self.correct - self.confidence).sum(-1)
-    return (gaps / self.count.sum(-1).clip(min=1)).mean()
+    totals = self.count.sum(-1)
+    seen = (totals > 0).astype(gaps.dtype)
+    return (gaps / totals.clip(min=1) * seen).sum() / seen.sum().clip(min=1)
 
 
 @flax.struct.dataclass

@@ -280,3 +280,32 @@ def format_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[str]) -> s
   widths = [max(len(row[j]) for row in cells) for j in range(len(columns))]
   return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True))
                    for row in cells)
+
+
+def plot(rows: Sequence[Mapping[str, Any]], varied: Sequence[str], metric: str, best: int,
+         path: str) -> None:
+  """Saves a PNG of `metric` against each swept hyperparameter (one panel each; one colour
+  per seed; the best member ringed)."""
+  import matplotlib
+  matplotlib.use("Agg")  # Files only: no display.
+  from matplotlib import pyplot as plt
+
+  names = [n for n in varied if n != "seed"] or ["seed"]
+  fig, axes = plt.subplots(1, len(names), figsize=(4 * len(names), 3.2), squeeze=False)
+  seeds = sorted({r.get("seed", 0) for r in rows})
+  for ax, name in zip(axes[0], names, strict=True):
+    for seed in seeds:
+      mine = [r for r in rows if r.get("seed", 0) == seed]
+      ax.scatter([r[name] for r in mine], [r[metric] for r in mine], label=f"seed {seed}")
+    ax.scatter([rows[best][name]], [rows[best][metric]], s=160, facecolors="none",
+               edgecolors="black", label="best")
+    values = [r[name] for r in rows]
+    if min(values) > 0 and max(values) >= 10 * min(values):
+      ax.set_xscale("log")
+    ax.set_xlabel(name)
+    ax.set_ylabel(metric)
+  axes[0][0].legend(fontsize="small")
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+  plt.close(fig)
+

@@ -79,6 +79,7 @@ from trainer.sweep import (
   summary_rows,
   swept_optimizer,
 )
+from trainer.sweep import plot as sweep_plot
 
 Batch = Mapping[str, Any]
 PyTree = Any
@@ -535,9 +536,9 @@ class Trainer(abc.ABC):
 
   def finish_sweep(self, state: TrainState, step: int, results: list[dict[str, float]],
                    best: int, workdir: str | None) -> None:
-    """A sweep's summary: a table in the log; with a `workdir`, `sweep.json` and the best
-    member as a single-model checkpoint in `<workdir>/sweep_best` (its config beside it,
-    `sweep_best_config.json`)."""
+    """A sweep's summary: a table in the log; with a `workdir`, `sweep.json`, `sweep.png`
+    (the metric against each swept hyperparameter) and the best member as a single-model
+    checkpoint in `<workdir>/sweep_best` (its config beside it, `sweep_best_config.json`)."""
     rows = summary_rows(self.sweep, results)
     names = list(results[0])
     logging.info("Sweep at step %d, best member %d (%s):\n%s", step, best,
@@ -545,10 +546,11 @@ class Trainer(abc.ABC):
     if not workdir or jax.process_index() > 0:
       return
     os.makedirs(workdir, exist_ok=True)
+    metric = self.config.sweep.metric or names[0]
     with open(os.path.join(workdir, "sweep.json"), "w") as f:
-      json.dump({"step": step, "metric": self.config.sweep.metric or names[0],
-                 "mode": self.config.sweep.mode, "best": rows[best], "members": rows}, f,
-                indent=1)
+      json.dump({"step": step, "metric": metric, "mode": self.config.sweep.mode,
+                 "best": rows[best], "members": rows}, f, indent=1)
+    sweep_plot(rows, self.sweep.varied, metric, best, os.path.join(workdir, "sweep.png"))
     self.export_member(state, best, os.path.join(workdir, "sweep_best"))
     with open(os.path.join(workdir, "sweep_best_config.json"), "w") as f:
       f.write(self.sweep.member_config(self.config, best).to_json(indent=1))
