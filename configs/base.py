@@ -117,7 +117,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.sweep = ml_collections.ConfigDict()
   config.sweep.grid = ml_collections.ConfigDict()
   for name in ("learning_rate", "weight_decay", "momentum", "b1", "grad_clip_norm",
-               "warmup_steps"):
+               "warmup_steps", "ema_decay"):
     config.sweep.grid[name] = ()
   config.sweep.points = ()
   config.sweep.seeds = ()

@@ -42,9 +42,9 @@ def _config(**overrides):
 
 
 LAYOUTS = {
-    # 8 members, one per device.
+    # 8 members, one per device; the EMA's decay swept too.
     "pmap_ensemble": {"strategy.name": "pmap_ensemble", "sweep.grid.learning_rate": (0.1, 0.02),
-                      "sweep.grid.momentum": (0.0, 0.9), "sweep.seeds": (1, 2)},
+                      "sweep.grid.momentum": (0.0, 0.9), "sweep.grid.ema_decay": (0.5, 0.9)},
     # 8 members, 4 on each of 2 devices: clipping, weight decay and warmup per member.
     "sharded_4_per_device": {
         "strategy.name": "sharded_ensemble", "strategy.ensemble_mesh_shape": (2, 1),
@@ -75,8 +75,10 @@ def test_each_member_is_the_single_device_run_of_its_hyperparameters(layout):
     single = FlaxStyleTrainer(member, strategy=reference)
     assert single.sweep is None
     want = single.strategy.to_canonical(single.fit(batches, num_steps=5).state)
-    for a, b in zip(jax.tree.leaves((want.params, want.model_state)),
-                    jax.tree.leaves((swept.params, swept.model_state)), strict=True):
+    got = (swept.params, swept.model_state, getattr(swept, "ema_params", None))
+    for a, b in zip(jax.tree.leaves((want.params, want.model_state,
+                                     getattr(want, "ema_params", None))),
+                    jax.tree.leaves(got), strict=True):
       np.testing.assert_allclose(np.asarray(b)[i], a, rtol=1e-5, atol=1e-6,
                                  err_msg=trainer.sweep.label(i))
   # The members really differ: the sweep is not one model eight times.
@@ -155,6 +157,8 @@ def test_a_grid_is_the_product_of_its_values_times_the_seeds():
      r"config.sweep.points has \['dropout'\], which cannot be swept"),
     ({"strategy.name": "sharded_ensemble", "sweep.grid.learning_rate": (0.1, -0.2)},
      r"config.sweep value learning_rate=-0.2 is out of range"),
+    ({"strategy.name": "sharded_ensemble", "sweep.grid.ema_decay": (0.0, 0.9)},
+     r"config.sweep sweeps ema_decay with a value of 0"),
 ])
 def test_a_sweep_that_cannot_run_is_refused_naming_the_numbers(overrides, message):
   with pytest.raises(ValueError, match=message):

@@ -12,7 +12,9 @@ in the step. Member i starts from `PRNGKey(seed_i)`, so it is the
 single-model run with its hyperparameters and that seed.
 
 Swept names: `learning_rate`, `weight_decay`, `momentum` (sgd), `b1` (adam,
-adamw), `grad_clip_norm`, `warmup_steps` (`schedule.warmup_steps`).
+adamw), `grad_clip_norm`, `warmup_steps` (`schedule.warmup_steps`), and
+`ema_decay` (then kept in the state, `EmaTrainState.ema_decay`; every swept
+value must be > 0, so that each member's single-model run has an EMA too).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ PyTree = Any
 #: Swept name -> the config field it replaces per member.
 SWEPT = {"learning_rate": "learning_rate", "weight_decay": "weight_decay",
          "momentum": "momentum", "b1": "b1", "grad_clip_norm": "grad_clip_norm",
-         "warmup_steps": "schedule.warmup_steps"}
+         "warmup_steps": "schedule.warmup_steps", "ema_decay": "ema_decay"}
 
 
 def _config_value(config: ml_collections.ConfigDict, field: str) -> Any:
@@ -116,6 +118,11 @@ class Sweep:
     members = tuple({**base, **p, "seed": seed} for p in points for seed in seeds)
     for m in members:
       _check_member(m)
+    if (grid.get("ema_decay") or any("ema_decay" in p for p in points)) and min(
+        m["ema_decay"] for m in members) <= 0:
+      raise ValueError("config.sweep sweeps ema_decay with a value of 0; every swept decay "
+                       "must be in (0, 1), so that each member's single-model run keeps an "
+                       "EMA too.")
     varied = tuple(n for n in SWEPT if len({m[n] for m in members}) > 1)
     if len(seeds) > 1:
       varied += ("seed",)
@@ -150,12 +157,13 @@ def _check_member(m: Mapping[str, float]) -> None:
   checks = {"learning_rate": lambda v: v > 0, "weight_decay": lambda v: v >= 0,
             "momentum": lambda v: 0 <= v < 1, "b1": lambda v: 0 <= v < 1,
             "grad_clip_norm": lambda v: v >= 0,
-            "warmup_steps": lambda v: float(v).is_integer() and v >= 0}
+            "warmup_steps": lambda v: float(v).is_integer() and v >= 0,
+            "ema_decay": lambda v: 0 <= v < 1}
   for name, ok in checks.items():
     if not ok(m[name]):
       raise ValueError(f"config.sweep value {name}={m[name]!r} is out of range (learning_rate "
-                       f"> 0; weight_decay, grad_clip_norm >= 0; momentum, b1 in [0, 1); "
-                       f"warmup_steps an integer >= 0).")
+                       f"> 0; weight_decay, grad_clip_norm >= 0; momentum, b1, ema_decay in "
+                       f"[0, 1); warmup_steps an integer >= 0).")
 
 
 def schedule_value(count: jax.Array, *, peak: jax.Array, warmup: jax.Array, name: str,
@@ -242,7 +250,12 @@ def place_hyperparameters(state: PyTree, sweep: Sweep) -> PyTree:
     old = hyper[arg]
     values = np.asarray(sweep.column(name), dtype=old.dtype).reshape(old.shape)
     hyper[arg] = jax.device_put(values, old.sharding)
-  return state.replace(opt_state=state.opt_state._replace(hyperparams=hyper))
+  state = state.replace(opt_state=state.opt_state._replace(hyperparams=hyper))
+  if getattr(state, "ema_decay", None) is not None:
+    old = state.ema_decay
+    values = np.asarray(sweep.column("ema_decay"), dtype=old.dtype).reshape(old.shape)
+    state = state.replace(ema_decay=jax.device_put(values, old.sharding))
+  return state
 
 
 def single_model_opt_state(opt_state: PyTree, target: PyTree) -> PyTree:

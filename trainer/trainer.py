@@ -564,6 +564,8 @@ class Trainer(abc.ABC):
     config = self.sweep.member_config(self.config, member)
     plain = create_optimizer(config, create_schedule(config, self.num_train_steps))
     one = one.replace(opt_state=single_model_opt_state(one.opt_state, plain.init(one.params)))
+    if getattr(one, "ema_decay", None) is not None:  # A fixed decay there: from its config.
+      one = one.replace(ema_decay=None)
     strategy = SingleDevice()
     checkpointer = Checkpointer(directory, every_steps=0, async_save=False)
     try:

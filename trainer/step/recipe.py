@@ -184,22 +184,29 @@ class Ema(StepTransform):
   """An exponential moving average of the parameters, kept in the state (`ema_params`).
 
   After every update `ema = decay * ema + (1 - decay) * params`, starting from
-  the initial parameters; evaluated beside the parameters as `ema_*`.
+  the initial parameters; evaluated beside the parameters as `ema_*`. With
+  `in_state` the decay is an array in the state (`ema_decay`), so each member of
+  a sweep can have its own (`trainer.sweep`).
   """
 
   decay: float
+  in_state: bool = False
 
   def init_state(self, state):
     if not hasattr(state, "ema_params"):
       state = EmaTrainState(**{f.name: getattr(state, f.name)
                                for f in dataclasses.fields(state) if f.init})
-    return state.replace(ema_params=state.params)
+    state = state.replace(ema_params=state.params)
+    if self.in_state:
+      state = state.replace(ema_decay=jnp.asarray(self.decay, jnp.float32))
+    return state
 
   def update(self, update_fn: UpdateFn) -> UpdateFn:
     def with_average(state, grads, aux, finite):
       new = update_fn(state, grads, aux, finite)
+      decay = state.ema_decay if self.in_state else self.decay
       return new.replace(ema_params=optax.incremental_update(new.params, state.ema_params,
-                                                             1.0 - self.decay))
+                                                             1.0 - decay))
 
     return with_average
 
@@ -244,8 +251,10 @@ def recipe_from_config(config: ml_collections.ConfigDict, *, num_data_replicas: 
   if not isinstance(ema, (int, float)) or not 0.0 <= ema < 1.0:
     raise ValueError(f"config.ema_decay={ema!r} must be in [0, 1) (0: no EMA of the "
                      f"parameters).")
-  if ema:
-    transforms.append(Ema(float(ema)))
+  swept = len(config.sweep.grid.ema_decay) > 0 or any("ema_decay" in p
+                                                      for p in config.sweep.points)
+  if ema or swept:  # A sweep of the decay keeps it in the state, per member.
+    transforms.append(Ema(float(ema), in_state=swept))
   if config.nonfinite not in NONFINITE_ACTIONS:
     raise ValueError(f"config.nonfinite={config.nonfinite!r} is not one of "
                      f"{NONFINITE_ACTIONS}: 'stop' raises at the first non-finite loss or "

@@ -39,3 +39,6 @@ class EmaTrainState(TrainState):
   """
 
   ema_params: Any = None
+  #: The decay as an array, when it is part of the state (a sweep's per-member decay);
+  #: None (no leaf, the checkpoint layout of a fixed decay) otherwise.
+  ema_decay: Any = None
