@@ -274,11 +274,6 @@ def single_model_opt_state(opt_state: PyTree, target: PyTree) -> PyTree:
   return jax.tree.unflatten(jax.tree.structure(target), leaves)
 
 
-def member_seeds(sweep: Sweep) -> np.ndarray:
-  """Each member's seed: its init RNG is `PRNGKey(seed)`."""
-  return sweep.column("seed").astype(np.uint32)
-
-
 def summary_rows(sweep: Sweep, results: Sequence[Mapping[str, float]]) -> list[dict[str, Any]]:
   """One row per member: its label, swept values and results."""
   return [{"member": i, "label": sweep.label(i),
