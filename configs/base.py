@@ -60,6 +60,12 @@ def get_config() -> ml_collections.ConfigDict:
   # kernels and embeddings only, never to biases or norm scales.
   config.weight_decay = 0.0
   config.grad_clip_norm = 0.0  # Clip the (accumulated) gradient to this global norm; 0: off.
+  # Parameters by path pattern (a regex matching the whole `/`-joined path, e.g.
+  # "Conv_.*/kernel"): `freeze` ones stay unchanged and carry no optimizer state;
+  # `param_groups` is a tuple of {"pattern", "lr_scale", "weight_decay"} dicts, each
+  # group with its own learning-rate multiplier and weight decay (trainer/step/optim.py).
+  config.freeze = ()
+  config.param_groups = ()
   config.schedule = ml_collections.ConfigDict()
   config.schedule.name = "constant"  # constant | cosine | linear (decay to the last step).
   config.schedule.warmup_steps = 0  # Linear warmup from 0 to learning_rate.

@@ -13,14 +13,14 @@ import json
 import os
 import signal
 
-import flax.linen as nn
 import jax
 import numpy as np
 import pytest
 from conftest import SHARDED_8, CNNTrainer, cnn_config, image_batches, leaves
+from user_models import FlaxStyleTrainer
 
-from trainer import ClassificationTrainer, writers
 from trainer import data as data_lib
+from trainer import writers
 from trainer.checkpoint import Checkpointer
 from trainer.loop.actions import Action
 from trainer.loop.chunks import ChunkPlan
@@ -34,22 +34,6 @@ STRATEGIES = {
     "sharded_ensemble": {"strategy.name": "sharded_ensemble", "ensemble_size": 4,
                          "strategy.ensemble_mesh_shape": (2, 4)},
 }
-
-
-class FlaxStyleNet(nn.Module):
-  """As the Flax examples write a model: BatchNorm over the `batch` axis, dropout by `train`."""
-
-  @nn.compact
-  def __call__(self, x, train: bool = True):
-    x = nn.Dense(16)(x.reshape((x.shape[0], -1)))
-    x = nn.BatchNorm(use_running_average=not train, axis_name="batch")(x)
-    x = nn.Dropout(0.2, deterministic=not train)(nn.relu(x))
-    return nn.Dense(10)(x)
-
-
-class FlaxStyleTrainer(ClassificationTrainer):
-  def build_model(self):
-    return FlaxStyleNet()
 
 
 class Calls(Action):

@@ -8,33 +8,17 @@ exported as a single-model checkpoint that resumes under another strategy.
 
 import json
 
-import flax.linen as nn
 import jax
 import numpy as np
 import pytest
 from conftest import cnn_config, image_batches
+from user_models import FlaxStyleTrainer
 
 from strategies.pmap_data_parallel import PmapDataParallel
 from strategies.single_device import SingleDevice
-from trainer import ClassificationTrainer, writers
+from trainer import writers
 from trainer.checkpoint import Checkpointer
 from trainer.sweep import Sweep
-
-
-class FlaxStyleNet(nn.Module):
-  """BatchNorm over the `batch` axis and dropout by `train`, as the Flax examples write them."""
-
-  @nn.compact
-  def __call__(self, x, train: bool = True):
-    x = nn.Dense(16)(x.reshape((x.shape[0], -1)))
-    x = nn.BatchNorm(use_running_average=not train, axis_name="batch")(x)
-    x = nn.Dropout(0.2, deterministic=not train)(nn.relu(x))
-    return nn.Dense(10)(x)
-
-
-class FlaxStyleTrainer(ClassificationTrainer):
-  def build_model(self):
-    return FlaxStyleNet()
 
 
 def _config(**overrides):

@@ -191,3 +191,23 @@ class FlaxNnxMnistCNN(nnx.Module):
 class FlaxNnxMnistTrainer(ClassificationTrainer):
   def build_model(self):
     return FlaxNnxMnistCNN
+
+
+# -- The Flax examples' way in few lines: BatchNorm over `batch`, dropout by `train` -----------
+
+
+class FlaxStyleNet(nn.Module):
+  """BatchNorm over the `batch` axis and dropout by `train`, as the Flax examples write them."""
+
+  @nn.compact
+  def __call__(self, x, train: bool = True):
+    x = nn.Dense(16)(x.reshape((x.shape[0], -1)))
+    x = nn.BatchNorm(use_running_average=not train, axis_name="batch")(x)
+    x = nn.Dropout(0.2, deterministic=not train)(nn.relu(x))
+    return nn.Dense(10)(x)
+
+
+class FlaxStyleTrainer(ClassificationTrainer):
+  def build_model(self):
+    return FlaxStyleNet()
+

@@ -67,7 +67,13 @@ from trainer.step.functions import (
   StepFunctions,
   default_steps_loop,
 )
-from trainer.step.optim import check_run_length, create_optimizer, create_schedule
+from trainer.step.optim import (
+  check_run_length,
+  create_optimizer,
+  create_schedule,
+  grouped_optimizer,
+  parameter_labels,
+)
 from trainer.step.recipe import Recipe, recipe_from_config
 from trainer.step.train_state import TrainState
 from trainer.sweep import (
@@ -219,8 +225,20 @@ class Trainer(abc.ABC):
     its state (`trainer.sweep.swept_optimizer`).
     """
     if self.sweep is not None:
+      if self.config.freeze or self.config.param_groups:
+        raise ValueError("config.freeze / config.param_groups do not combine with "
+                         "config.sweep yet: a sweep's optimizer is one injected chain.")
       return swept_optimizer(self.config, self.sweep, self.num_train_steps)
+    if self.config.freeze or self.config.param_groups:
+      return grouped_optimizer(self.config, self.schedule, labels=self.parameter_labels)
     return create_optimizer(self.config, self.schedule)
+
+  def parameter_labels(self, params: PyTree) -> PyTree:
+    """Each parameter's group: `'frozen'`, `'group<i>'` (`config.param_groups[i]`) or
+    `'default'`; by default from the config's path patterns. Override to choose in code
+    (e.g. by shape); it is called with the parameters while the state is built."""
+    return parameter_labels(params, freeze=tuple(self.config.freeze),
+                            groups=[dict(g) for g in self.config.param_groups])
 
   def learning_rate(self, step: int) -> float | None:
     """The learning rate of the update from `step` to `step + 1`, or None if unknown."""

@@ -8,12 +8,15 @@ warmup_steps, end_factor}`. Each is read here and nowhere else.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+import re
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
 import ml_collections
 import optax
+
+from strategies.tree import keypath_str
 
 OPTIMIZERS = ("sgd", "adam", "adamw")
 SCHEDULES = ("constant", "cosine", "linear")
@@ -102,7 +105,7 @@ def check_run_length(config: ml_collections.ConfigDict, schedule_steps: int | No
 
 def create_optimizer(config: ml_collections.ConfigDict, schedule: optax.Schedule, *,
                      decay_mask: Callable[[PyTree], PyTree] = default_decay_mask,
-                     ) -> optax.GradientTransformation:
+                     clip: bool = True) -> optax.GradientTransformation:
   """An optax chain: clip by global norm, weight decay on `decay_mask`, the optimizer.
 
   `weight_decay` is decoupled for adamw (optax's `adamw(mask=)`); for sgd and
@@ -112,16 +115,16 @@ def create_optimizer(config: ml_collections.ConfigDict, schedule: optax.Schedule
     ValueError: an unknown optimizer name, or a negative clip norm or decay.
   """
   name = config.optimizer
-  clip = config.grad_clip_norm or 0.0
+  clip_norm = config.grad_clip_norm or 0.0
   decay = config.weight_decay or 0.0
   if name not in OPTIMIZERS:
     raise ValueError(f"config.optimizer={name!r} is not supported; choose one of: "
                      f"{', '.join(OPTIMIZERS)}.")
-  if clip < 0:
-    raise ValueError(f"config.grad_clip_norm={clip!r} must be >= 0 (0: no clipping).")
+  if clip_norm < 0:
+    raise ValueError(f"config.grad_clip_norm={clip_norm!r} must be >= 0 (0: no clipping).")
   if decay < 0:
     raise ValueError(f"config.weight_decay={decay!r} must be >= 0 (0: no weight decay).")
-  parts = [optax.clip_by_global_norm(clip)] if clip else []
+  parts = [optax.clip_by_global_norm(clip_norm)] if clip_norm and clip else []
   if name == "adamw":
     parts.append(optax.adamw(schedule, b1=config.b1, weight_decay=decay, mask=decay_mask))
   else:
@@ -131,3 +134,85 @@ def create_optimizer(config: ml_collections.ConfigDict, schedule: optax.Schedule
                  else optax.adam(schedule, b1=config.b1))
   # One part stays unchained, so a plain optimizer's state has the plain layout.
   return parts[0] if len(parts) == 1 else optax.chain(*parts)
+
+
+#: The label of frozen parameters in `parameter_labels`; the rest are `default` or a group's.
+FROZEN, DEFAULT = "frozen", "default"
+
+
+def parameter_labels(params: PyTree, *, freeze: Sequence[str],
+                     groups: Sequence[Mapping[str, Any]]) -> PyTree:
+  """Each parameter's label: `frozen`, `group<i>` or `default`, by path patterns.
+
+  A path is the parameter's `/`-joined names (`Conv_0/kernel`); a pattern is a
+  regular expression that must match the whole path (`Conv_.*`).
+
+  Raises:
+    ValueError: a pattern that matches no parameter (naming it and the paths),
+      or a parameter that two patterns claim (naming both).
+  """
+  paths = {keypath_str(p, drop_box=True): None
+           for p, _ in jax.tree_util.tree_leaves_with_path(params)}
+  patterns = ([("config.freeze", p, FROZEN) for p in freeze]
+              + [(f"config.param_groups[{i}]", g["pattern"], f"group{i}")
+                 for i, g in enumerate(groups)])
+  for field, pattern, label in patterns:
+    matched = [path for path in paths if re.fullmatch(pattern, path)]
+    if not matched:
+      raise ValueError(f"{field} pattern {pattern!r} matches no parameter; the parameters are "
+                       f"{sorted(paths)}.")
+    for path in matched:
+      if paths[path] is not None:
+        raise ValueError(f"parameter {path!r} is claimed by {paths[path][0]} pattern "
+                         f"{paths[path][1]!r} and by {field} pattern {pattern!r}; give each "
+                         f"parameter one group.")
+      paths[path] = (field, pattern, label)
+  return jax.tree_util.tree_map_with_path(
+      lambda p, _: (paths[keypath_str(p, drop_box=True)] or (None, None, DEFAULT))[2], params)
+
+
+def grouped_optimizer(config: ml_collections.ConfigDict, schedule: optax.Schedule, *,
+                      decay_mask: Callable[[PyTree], PyTree] = default_decay_mask,
+                      labels: Callable[[PyTree], PyTree] | None = None,
+                      ) -> optax.GradientTransformation:
+  """`create_optimizer` per parameter group (`config.freeze`, `config.param_groups`).
+
+  Frozen parameters get zero updates and no optimizer state
+  (`optax.set_to_zero` under `optax.multi_transform`); each group gets the
+  config's optimizer with its learning rate scaled by `lr_scale` and its own
+  `weight_decay`. Clipping by `grad_clip_norm` runs first, over the trainable
+  parameters' gradients only. `labels` (`params -> label per parameter`)
+  replaces the config's patterns (`parameter_labels`).
+
+  Raises:
+    ValueError: a group without a `pattern`, or with other keys than
+      `pattern`, `lr_scale`, `weight_decay`.
+  """
+  groups = [dict(g) for g in config.param_groups]
+  for i, g in enumerate(groups):
+    unknown = set(g) - {"pattern", "lr_scale", "weight_decay"}
+    if "pattern" not in g or unknown:
+      raise ValueError(f"config.param_groups[{i}]={g!r} must have a 'pattern' and may have "
+                       f"'lr_scale' and 'weight_decay' (got {sorted(unknown)} besides).")
+  freeze = tuple(config.freeze)
+  if labels is None:
+    def labels(params):
+      return parameter_labels(params, freeze=freeze, groups=groups)
+
+  transforms = {FROZEN: optax.set_to_zero(),
+                DEFAULT: create_optimizer(config, schedule, decay_mask=decay_mask, clip=False)}
+  for i, g in enumerate(groups):
+    group_config = ml_collections.ConfigDict(config.to_dict())
+    group_config.weight_decay = g.get("weight_decay", config.weight_decay)
+    scale = g.get("lr_scale", 1.0)
+    transforms[f"group{i}"] = create_optimizer(
+        group_config, lambda step, scale=scale: scale * schedule(step),
+        decay_mask=decay_mask, clip=False)
+  grouped = optax.multi_transform(transforms, labels)
+  if not config.grad_clip_norm:
+    return grouped
+  trainable = lambda params: jax.tree.map(lambda label: label != FROZEN,  # noqa: E731
+                                          labels(params))
+  return optax.chain(optax.masked(optax.clip_by_global_norm(config.grad_clip_norm), trainable),
+                     grouped)
+
