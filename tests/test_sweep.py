@@ -15,6 +15,7 @@ from conftest import cnn_config, image_batches
 from user_models import FlaxStyleTrainer
 
 from strategies.pmap_data_parallel import PmapDataParallel
+from strategies.sharded_ensemble import ShardedEnsemble
 from strategies.single_device import SingleDevice
 from trainer import writers
 from trainer.checkpoint import Checkpointer
@@ -115,6 +116,20 @@ def test_results_by_label_the_best_member_and_its_export(tmp_path):
   resumed = single.fit(lambda s: batches[s:], num_steps=6,
                        checkpointer=Checkpointer(workdir / "sweep_best", every_steps=0))
   assert resumed.step == 6
+
+
+def test_a_strategy_built_in_code_starts_the_members_from_the_sweeps_seeds():
+  config = _config(**{"strategy.name": "sharded_ensemble", "sweep.grid.learning_rate": (0.1,),
+                      "sweep.seeds": (3, 4), "strategy.ensemble_mesh_shape": (2, 1)})
+  from_config = FlaxStyleTrainer(config)
+  in_code = FlaxStyleTrainer(config, strategy=ShardedEnsemble(num_members=2,
+                                                              mesh_shape=(2, 1)))
+  batch = image_batches(1, 16)[0]
+  for a, b in zip(jax.tree.leaves(from_config.strategy.to_canonical(
+                      from_config.init_state(batch).params)),
+                  jax.tree.leaves(in_code.strategy.to_canonical(in_code.init_state(batch).params)),
+                  strict=True):
+    np.testing.assert_array_equal(a, b)
 
 
 def test_a_grid_is_the_product_of_its_values_times_the_seeds():

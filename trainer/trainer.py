@@ -155,6 +155,8 @@ class Trainer(abc.ABC):
     self.strategy.check_batch_size(config.batch_size)
     if self.sweep is not None:
       check_sweep_fits(self.sweep, strategy)
+      if strategy.member_seeds is None:  # A strategy built in code: the sweep's seeds.
+        strategy.member_seeds = [int(m["seed"]) for m in self.sweep.members]
     if num_train_steps is None and config.num_train_steps > 0:
       num_train_steps = config.num_train_steps
     self.num_train_steps = num_train_steps
