@@ -39,6 +39,17 @@ NUM_DEVICES = 8
 SHARDED_8 = {"strategy.name": "sharded_data_parallel", "strategy.mesh_shape": (8,),
              "strategy.mesh_axes": ("data",), "strategy.logical_axis_rules": (("batch", "data"),)}
 
+#: Overrides for each of the five strategies on the 8 devices (ensembles: 8 members one per
+#: device, and 4 members each split over 2 data devices).
+ALL_STRATEGIES = {
+    "single_device": {},
+    "pmap_data_parallel": {"strategy.name": "pmap_data_parallel"},
+    "sharded_data_parallel": SHARDED_8,
+    "pmap_ensemble": {"strategy.name": "pmap_ensemble", "ensemble_size": 8},
+    "sharded_ensemble": {"strategy.name": "sharded_ensemble", "ensemble_size": 4,
+                         "strategy.ensemble_mesh_shape": (2, 4)},
+}
+
 
 class CNNTrainer(ClassificationTrainer):
   def build_model(self):

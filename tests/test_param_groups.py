@@ -9,16 +9,8 @@ import jax
 import numpy as np
 import pytest
 import user_models
-from conftest import SHARDED_8, CNNTrainer, cnn_config, image_batches
-
-STRATEGIES = {
-    "single_device": {},
-    "pmap_data_parallel": {"strategy.name": "pmap_data_parallel"},
-    "sharded_data_parallel": SHARDED_8,
-    "pmap_ensemble": {"strategy.name": "pmap_ensemble", "ensemble_size": 8},
-    "sharded_ensemble": {"strategy.name": "sharded_ensemble", "ensemble_size": 4,
-                         "strategy.ensemble_mesh_shape": (2, 4)},
-}
+from conftest import ALL_STRATEGIES as STRATEGIES
+from conftest import CNNTrainer, cnn_config, image_batches
 
 CONVS = ("Conv_.*",)
 

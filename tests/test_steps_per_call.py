@@ -16,7 +16,8 @@ import signal
 import jax
 import numpy as np
 import pytest
-from conftest import SHARDED_8, CNNTrainer, cnn_config, image_batches, leaves
+from conftest import ALL_STRATEGIES as STRATEGIES
+from conftest import CNNTrainer, cnn_config, image_batches, leaves
 from user_models import FlaxStyleTrainer
 
 from trainer import data as data_lib
@@ -25,15 +26,6 @@ from trainer.checkpoint import Checkpointer
 from trainer.loop.actions import Action
 from trainer.loop.chunks import ChunkPlan
 from trainer.loop.driver import NonFiniteError
-
-STRATEGIES = {
-    "single_device": {},
-    "pmap_data_parallel": {"strategy.name": "pmap_data_parallel"},
-    "sharded_data_parallel": SHARDED_8,
-    "pmap_ensemble": {"strategy.name": "pmap_ensemble", "ensemble_size": 8},
-    "sharded_ensemble": {"strategy.name": "sharded_ensemble", "ensemble_size": 4,
-                         "strategy.ensemble_mesh_shape": (2, 4)},
-}
 
 
 class Calls(Action):
