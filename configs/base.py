@@ -66,6 +66,19 @@ def get_config() -> ml_collections.ConfigDict:
   # group with its own learning-rate multiplier and weight decay (trainer/step/optim.py).
   config.freeze = ()
   config.param_groups = ()
+
+  # Start from an earlier run's variables (trainer/checkpoint/init_from.py): a workdir,
+  # checkpoints or step directory of this project (any strategy), an orbax PyTree
+  # directory or a Flax msgpack file. `rules`: (new path pattern, old path) pairs, applied
+  # in params and in every model_state collection alike (empty: each path from itself);
+  # `fresh`: patterns that keep their initialisation (a new head). The optimizer state
+  # starts fresh. Applies when a run starts, not when it resumes from its own checkpoint.
+  config.init_from = ml_collections.ConfigDict()
+  config.init_from.path = ""  # "": off.
+  config.init_from.step = -1  # -1: the latest checkpoint.
+  config.init_from.member = -1  # An ensemble checkpoint: the member every new model takes.
+  config.init_from.rules = ()
+  config.init_from.fresh = ()
   config.schedule = ml_collections.ConfigDict()
   config.schedule.name = "constant"  # constant | cosine | linear (decay to the last step).
   config.schedule.warmup_steps = 0  # Linear warmup from 0 to learning_rate.

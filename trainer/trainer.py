@@ -50,6 +50,7 @@ from trainer.checkpoint import (
   Checkpointer,
   CheckpointError,
   RunState,
+  init_from,
   restore_run,
   save_run,
 )
@@ -183,6 +184,9 @@ class Trainer(abc.ABC):
     self.steps = StepFunctions(self, self.strategy,
                                lambda rngs, inputs: self.model_variables.init(rngs, inputs),
                                self.recipe)
+    self.init_source = (init_from.open_source(config.init_from.path, step=config.init_from.step,
+                                              linen=self._linen)
+                        if config.init_from.path else None)
 
   # -- Hooks a research project overrides ------------------------------------
 
@@ -370,10 +374,30 @@ class Trainer(abc.ABC):
     """Creates the placed train state; `rng` defaults to `PRNGKey(config.seed)`."""
     if rng is None:
       rng = jax.random.PRNGKey(self.config.seed)
-    state = self.strategy.create_state(self.steps.init_fn(example_batch), rng)
+    init_fn = self.steps.init_fn(example_batch)
+    if self.init_source is not None:  # The rules are checked before anything is computed.
+      abstract = jax.eval_shape(init_fn, rng)
+      plan = init_from.plan(
+          self.config, self.init_source,
+          init_from.variables_by_collection(abstract.params, abstract.model_state,
+                                            linen=self._linen),
+          num_members=self.strategy.checkpoint_layout()["num_members"])
+    state = self.strategy.create_state(init_fn, rng)
+    if self.init_source is not None:
+      state = init_from.start_from(plan, self.strategy, state, abstract, self._fresh_state,
+                                   linen=self._linen)
     if self.sweep is not None:  # Each member's own hyperparameters into its optimizer.
       state = place_hyperparameters(state, self.sweep)
     return state
+
+  @property
+  def _linen(self) -> bool:
+    return isinstance(self.model_variables, model_variables.LinenVariables)
+
+  def _fresh_state(self, state: TrainState) -> TrainState:
+    """A new state of one model from `state`'s variables and RNG (optimizer, recipe: fresh)."""
+    return self.recipe.init_state(self.create_train_state(
+        params=state.params, model_state=state.model_state, rng=state.rng))
 
   def compiled_train_step(self, state: TrainState) -> Callable:
     """The compiled `(state, placed batch) -> (state, outputs)` that `fit` calls each step."""
