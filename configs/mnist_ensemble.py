@@ -50,6 +50,9 @@ def get_config() -> ml_collections.ConfigDict:
   # "device": the train split placed on every device once, each step gathering its
   # batch inside the compiled call (trainer.data.device; configs/mnist_on_device.py).
   config.data.pipeline = "grain"
+  # Train and evaluate on the examples of these labels only (labels unchanged), e.g.
+  # (0, 1, 2, 3, 4); empty: all. The "memory" and "device" pipelines (configs/mnist_finetune.py).
+  config.data.classes = ()
   config.data.read_threads = 4  # Grain reader threads decoding records ahead of the loop.
   config.data.prefetch_batches = 8  # Batches the Grain readers keep ready.
   # Directory with the four original IDX .gz files: TFDS then prepares MNIST

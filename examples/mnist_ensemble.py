@@ -6,9 +6,15 @@ r"""Trains an MNIST CNN (or BatchNorm ResNet) ensemble, or one model, under any 
         --workdir=/tmp/mnist_resnet
     python examples/mnist_ensemble.py --config=configs/mnist_on_device.py \
         --workdir=/tmp/mnist_on_device
+    python examples/mnist_ensemble.py --config=configs/mnist_finetune.py:pretrain \
+        --workdir=/tmp/mnist_pretrain
+    python examples/mnist_ensemble.py --config=configs/mnist_finetune.py:finetune \
+        --workdir=/tmp/mnist_finetune --config.init_from.path=/tmp/mnist_pretrain
 
 The last keeps the train split on the devices and runs many steps per
-compiled call (`config.steps_per_call`): the host only dispatches.
+compiled call (`config.steps_per_call`): the host only dispatches. The last two
+pretrain a CNN on digits 0-4, then fine-tune it on 5-9 with its convolutions
+frozen and a new head (`configs/mnist_finetune.py`).
 
 The ResNet's BatchNorm statistics live in the train state (`model_state`):
 per member in an ensemble, over the global batch under data parallelism.
@@ -70,6 +76,9 @@ def train_and_evaluate(config, workdir: str) -> dict[str, float] | None:
   d = config.data
   if d.pipeline not in PIPELINES:
     raise ValueError(f"config.data.pipeline={d.pipeline!r} is not one of {PIPELINES}.")
+  if d.classes and d.pipeline == "grain":
+    raise ValueError(f"config.data.classes={tuple(d.classes)!r} selects examples in memory: "
+                     f"set config.data.pipeline to 'memory' or 'device' (it is 'grain').")
   checkpointer = Checkpointer.from_config(config, workdir)
   builder = data.prepare(d.name, d.data_dir, d.manual_dir,
                          file_format="array_record" if d.pipeline == "grain" else None)
@@ -79,6 +88,8 @@ def train_and_evaluate(config, workdir: str) -> dict[str, float] | None:
   else:
     train = data.load_split(builder, d.train_split, field="data.train_split")
     test = data.load_split(builder, d.eval_split, field="data.eval_split")
+    if d.classes:
+      train, test = train.with_classes(d.classes), test.with_classes(d.classes)
   num_steps = data.num_train_steps(config, len(train))
   trainer = MNISTTrainer(config, num_train_steps=num_steps)
   if d.pipeline == "grain":

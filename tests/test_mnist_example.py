@@ -14,6 +14,7 @@ import re
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import tensorflow_datasets as tfds
 
@@ -158,3 +159,36 @@ def test_rerun_in_the_same_workdir_resumes_from_the_latest_checkpoint(example, t
   train_steps = [r["step"] for r in records if r["split"] == "train"]
   assert train_steps == [3, 6, 9]  # The third run started at step 6.
   assert sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir()) == [3, 6, 9]
+
+
+def test_the_finetuning_configs_pretrain_then_finetune_with_frozen_convolutions(example,
+                                                                                  tmp_path):
+  """configs/mnist_finetune.py on mock data: the fine-tune run starts from the pretrain
+  run's checkpoint, keeps its convolutions bitwise and trains a new head."""
+  from configs import mnist_finetune
+  from trainer.checkpoint import init_from
+
+  def run(variant, **overrides):
+    config = mnist_finetune.get_config(variant)
+    config.update_from_flattened_dict({
+        "batch_size": 8, "eval_batch_size": 8, "num_train_steps": 4, "log_every_steps": 2,
+        "data.manual_dir": "", **overrides})
+    with tfds.testing.mock_data(num_examples=80):
+      results = example.train_and_evaluate(config, str(tmp_path / variant))
+    assert set(results) == SINGLE_KEYS
+    return init_from.open_source(str(tmp_path / variant))
+
+  pretrained = run("pretrain")
+  tuned = run("finetune", **{"init_from.path": str(tmp_path / "pretrain")})
+  paths = sorted(pretrained.arrays["params"])
+  before = pretrained.read({"params": paths})["params"]
+  after = tuned.read({"params": paths})["params"]
+  assert [p for p in paths if p.startswith("Conv_")] == [
+      "Conv_0/bias", "Conv_0/kernel", "Conv_1/bias", "Conv_1/kernel"]
+  for path in paths:
+    if path.startswith("Conv_"):
+      np.testing.assert_array_equal(after[path], before[path], err_msg=path)
+    else:
+      assert not np.array_equal(after[path], before[path]), path
+  with pytest.raises(ValueError, match=r"configs/mnist_finetune.py:tune is not a variant"):
+    mnist_finetune.get_config("tune")

@@ -180,6 +180,21 @@ class Split:
     return {"image": self.images[indices].astype(np.float32) / 255.0,
             "label": self.labels[indices]}
 
+  def with_classes(self, classes, field: str = "data.classes") -> Split:
+    """The examples whose label is one of `classes` (labels unchanged).
+
+    Raises:
+      ValueError: a class that no example has, naming `field`.
+    """
+    classes = [int(c) for c in classes]
+    present = set(np.unique(self.labels).tolist())
+    missing = sorted(set(classes) - present)
+    if missing:
+      raise ValueError(f"config.{field}={tuple(classes)!r} names classes {missing} that no "
+                       f"example has; the labels are {sorted(present)}.")
+    keep = np.isin(self.labels, classes)
+    return Split(images=self.images[keep], labels=self.labels[keep])
+
   def device_data(self, batch_size: int, seed: int) -> DeviceData:
     """The split for `config.data.pipeline = "device"`: placed on the devices, each step's
     batch (the same values `batch` gives) gathered inside the compiled call."""
