@@ -97,6 +97,14 @@ def get_config() -> ml_collections.ConfigDict:
   config.mixed_precision = ml_collections.ConfigDict()
   config.mixed_precision.compute_dtype = "float32"  # float32 | bfloat16 | float16.
   config.mixed_precision.loss_scale = 0.0  # Static; 0: 2**12 for float16, 1 otherwise.
+  # Rematerialisation (trainer/step/remat.py): recompute activations in the backward pass.
+  # `policy`: a jax.checkpoint_policies name (nothing_saveable, dots_saveable,
+  # dots_with_no_batch_dims_saveable, ...); "": off. `modules`: module class names whose
+  # calls are checkpointed one by one (a Transformer's blocks: ("DecoderBlock",)); empty:
+  # the whole forward pass as one piece.
+  config.remat = ml_collections.ConfigDict()
+  config.remat.policy = ""
+  config.remat.modules = ()
   # Exponential moving average of the parameters, evaluated beside them as
   # eval/ema_*, checkpointed with the state. 0: off; 0.999 is typical.
   config.ema_decay = 0.0

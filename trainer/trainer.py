@@ -76,6 +76,7 @@ from trainer.step.optim import (
   parameter_labels,
 )
 from trainer.step.recipe import Recipe, recipe_from_config
+from trainer.step.remat import Remat
 from trainer.step.train_state import TrainState
 from trainer.sweep import (
   Sweep,
@@ -179,7 +180,8 @@ class Trainer(abc.ABC):
     self.schedule = self.build_schedule()
     self.model = self.build_model()
     self.model_variables = model_variables.create(self.model,
-                                                  sync_batchnorm=config.sync_batchnorm)
+                                                  sync_batchnorm=config.sync_batchnorm,
+                                                  remat=Remat.from_config(config))
     self.optimizer = self.build_optimizer()
     self.steps = StepFunctions(self, self.strategy,
                                lambda rngs, inputs: self.model_variables.init(rngs, inputs),

@@ -47,6 +47,7 @@ import jax
 from flax import nnx
 
 from strategies.mesh import BATCH_AXIS
+from trainer.step.remat import Remat, class_names
 
 PyTree = Any
 Rngs = Mapping[str, jax.Array]
@@ -103,19 +104,22 @@ class ModelVariables(abc.ABC):
     """The user's module (Linen) or factory (NNX)."""
 
 
-def create(model: Any, *, sync_batchnorm: bool = False) -> ModelVariables:
+def create(model: Any, *, sync_batchnorm: bool = False,
+           remat: Remat | None = None) -> ModelVariables:
   """The `ModelVariables` for what `Trainer.build_model` returned.
 
   Args:
     sync_batchnorm: bind every BatchNorm that has no `axis_name` to the step's
       data axis, so its statistics are over the global batch (per member).
+    remat: checkpoint the training forward pass, or the named modules' calls
+      (`trainer.step.remat`); None: keep every activation.
 
   Raises:
     TypeError: an NNX module instance (its parameters exist already, so every
       ensemble member would share them) or something that is not a model.
   """
   if isinstance(model, nn.Module):
-    return LinenVariables(model, sync_batchnorm=sync_batchnorm)
+    return LinenVariables(model, sync_batchnorm=sync_batchnorm, remat=remat)
   if isinstance(model, nnx.Module):
     raise TypeError(
         f"build_model returned an nnx.Module instance ({type(model).__name__}); return its "
@@ -124,7 +128,7 @@ def create(model: Any, *, sync_batchnorm: bool = False) -> ModelVariables:
         f"every seed and ensemble member gets its own parameters, created where the "
         f"strategy places them.")
   if callable(model):
-    return NnxVariables(model, sync_batchnorm=sync_batchnorm)
+    return NnxVariables(model, sync_batchnorm=sync_batchnorm, remat=remat)
   raise TypeError(f"build_model returned {model!r}; expected a flax.linen Module or a "
                   f"factory `rngs -> nnx.Module`.")
 
@@ -143,9 +147,11 @@ def _batch_norm_error(path: str) -> ValueError:
 class LinenVariables(ModelVariables):
   """A `flax.linen.Module`: `params` plus its other collections as `model_state`."""
 
-  def __init__(self, module: nn.Module, *, sync_batchnorm: bool = False):
+  def __init__(self, module: nn.Module, *, sync_batchnorm: bool = False,
+               remat: Remat | None = None):
     self._module = module
     self._sync_batchnorm = sync_batchnorm
+    self._remat = remat
     call = inspect.signature(type(module).__call__).parameters
     self._mode_args = [name for name in _MODE_ARGUMENTS if name in call]
 
@@ -163,7 +169,17 @@ class LinenVariables(ModelVariables):
 
   def init(self, rngs: Rngs, inputs: Inputs) -> tuple[PyTree, PyTree]:
     module, args, kwargs = self._in_mode(inputs, train=False)
-    variables = dict(module.init(dict(rngs), *args, **kwargs))
+    seen: set[str] = set()
+
+    def record(next_fun, args, kwargs, context):
+      seen.update(class_names(context.module))
+      return next_fun(*args, **kwargs)
+
+    named = self._remat is not None and bool(self._remat.modules)
+    with nn.intercept_methods(record) if named else contextlib.nullcontext():
+      variables = dict(module.init(dict(rngs), *args, **kwargs))
+    if named:
+      self._remat.check_found(seen)
     params = variables.pop("params", {})
     return params, {k: v for k, v in variables.items() if k not in _NOT_STATE}
 
@@ -176,7 +192,14 @@ class LinenVariables(ModelVariables):
         stack.enter_context(nn.intercept_methods(_linen_sync_batch_norm))
       elif train and require_batch_axis:
         stack.enter_context(nn.intercept_methods(_linen_batch_norm_check))
-      result = module.apply(variables, *args, rngs=dict(rngs), mutable=mutable, **kwargs)
+      remat = self._remat if train else None
+      if remat and remat.modules:
+        stack.enter_context(nn.intercept_methods(remat.linen_interceptor()))
+      if remat and not remat.modules:
+        result = remat.call(module.apply, variables, *args, rngs=dict(rngs), mutable=mutable,
+                            **kwargs)
+      else:
+        result = module.apply(variables, *args, rngs=dict(rngs), mutable=mutable, **kwargs)
     if mutable:
       outputs, updated = result
       return outputs, {**model_state, **updated}
@@ -254,9 +277,11 @@ class NnxVariables(ModelVariables):
   that step's keys, so its randomness is a function of `(state.rng, step)`.
   """
 
-  def __init__(self, factory: Callable[..., nnx.Module], *, sync_batchnorm: bool = False):
+  def __init__(self, factory: Callable[..., nnx.Module], *, sync_batchnorm: bool = False,
+               remat: Remat | None = None):
     self._factory = factory
     self._sync_batchnorm = sync_batchnorm
+    self._remat = remat
     self._call_takes_rngs: bool | None = None  # Known once a module exists.
 
   @property
@@ -286,7 +311,10 @@ class NnxVariables(ModelVariables):
     return _boxed_tree(params), nnx.to_pure_dict(rest)
 
   def init(self, rngs: Rngs, inputs: Inputs) -> tuple[PyTree, PyTree]:
-    return self._split(self._build(rngs))
+    model = self._build(rngs)
+    if self._remat and self._remat.modules:
+      self._remat.check_found(name for _, m in nnx.iter_modules(model) for name in class_names(m))
+    return self._split(model)
 
   def apply(self, params, model_state, inputs, *, rngs, train, require_batch_axis=False):
     model = self._build(rngs)
@@ -304,7 +332,11 @@ class NnxVariables(ModelVariables):
     args, kwargs = inputs
     if self._call_takes_rngs and "rngs" not in kwargs:  # Flax's NNX examples: __call__(x, rngs)
       kwargs = {**kwargs, "rngs": nnx.Rngs(**_with_default(rngs))}
-    outputs = model(*args, **kwargs)
+    remat = self._remat if train else None
+    if remat and remat.modules:
+      remat.nnx_apply(model)
+    outputs = (remat.nnx_call(model, *args, **kwargs) if remat and not remat.modules
+               else model(*args, **kwargs))
     if not train:
       return outputs, model_state
     return outputs, self._split(model)[1]
