@@ -12,6 +12,9 @@ import user_models
 from conftest import ALL_STRATEGIES as STRATEGIES
 from conftest import CNNTrainer, cnn_config, image_batches
 
+from strategies.single_device import SingleDevice
+from trainer.checkpoint import Checkpointer
+
 CONVS = ("Conv_.*",)
 
 
@@ -94,11 +97,37 @@ def test_a_groups_learning_rate_multiplier_scales_exactly_its_updates():
     ({"param_groups": ({"pattern": "Conv_.*", "lr": 0.1},)},
      r"config.param_groups\[0\]=.* must have a 'pattern' and may have 'lr_scale' and "
      r"'weight_decay' \(got \['lr'\] besides\)"),
-    ({"freeze": CONVS, "strategy.name": "sharded_ensemble", "ensemble_size": 0,
-      "sweep.grid.learning_rate": (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8)},
-     r"config.freeze / config.param_groups do not combine with config.sweep"),
 ])
 def test_groups_that_cannot_work_are_refused_before_training(overrides, message):
   with pytest.raises(ValueError, match=message):
     trainer = CNNTrainer(cnn_config(**overrides))
     trainer.init_state(image_batches(1, 16)[0])
+
+
+def test_a_sweep_with_frozen_parameters_and_groups_trains_each_members_single_run(tmp_path):
+  """Each member of a sweep (its rate and clip norm) with the first layer frozen and the
+  head's rate doubled equals the single-device run of its config, groups included; the
+  exported member restores into that run's optimizer layout."""
+  config = cnn_config(**{
+      "strategy.name": "sharded_ensemble", "ensemble_size": 0,
+      "strategy.ensemble_mesh_shape": (4, 1), "freeze": ("Dense_0/.*",),
+      "param_groups": ({"pattern": "Dense_1/.*", "lr_scale": 2.0, "weight_decay": 0.01},),
+      "sweep.grid.learning_rate": (0.1, 0.03), "sweep.grid.grad_clip_norm": (0.0, 0.5)})
+  trainer = user_models.FlaxStyleTrainer(config)
+  batches = image_batches(3, 16)
+  state = trainer.fit(batches, num_steps=3).state
+  swept = trainer.strategy.to_canonical(state)
+  for i in range(len(trainer.sweep)):
+    single = user_models.FlaxStyleTrainer(trainer.sweep.member_config(config, i),
+                                          strategy=SingleDevice())
+    initial = single.strategy.to_canonical(single.init_state(batches[0]))
+    want = single.strategy.to_canonical(single.fit(batches, num_steps=3).state)
+    for path, x in _by_path(want.params).items():
+      np.testing.assert_allclose(_by_path(swept.params)[path][i], x, rtol=1e-5, atol=1e-6,
+                                 err_msg=f"{trainer.sweep.label(i)} {path}")
+      if "Dense_0" in path:
+        np.testing.assert_array_equal(x, _by_path(initial.params)[path])
+  trainer.export_member(state, 3, str(tmp_path / "member3"))
+  restored = single.restore_checkpoint(Checkpointer(str(tmp_path / "member3")), batches[0])
+  for path, x in _by_path(restored.params).items():
+    np.testing.assert_array_equal(x, _by_path(swept.params)[path][3], err_msg=path)

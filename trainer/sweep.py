@@ -30,7 +30,7 @@ import ml_collections
 import numpy as np
 import optax
 
-from trainer.step.optim import OPTIMIZERS, SCHEDULES, default_decay_mask
+from trainer.step.optim import DEFAULT, FROZEN, OPTIMIZERS, SCHEDULES, default_decay_mask
 
 PyTree = Any
 
@@ -189,13 +189,18 @@ def schedule_value(count: jax.Array, *, peak: jax.Array, warmup: jax.Array, name
 def swept_optimizer(config: ml_collections.ConfigDict, sweep: Sweep,
                     num_train_steps: int | None, *,
                     decay_mask: Callable[[PyTree], PyTree] = default_decay_mask,
+                    labels: Callable[[PyTree], PyTree] | None = None,
                     ) -> optax.GradientTransformation:
   """The config's optimizer chain with every swept hyperparameter injected (arrays in the
   optimizer state, one value per member once `place_hyperparameters` has run).
 
   The chain has the parts of `create_optimizer`'s for the largest member values
   (clipping if any member clips, weight decay if any member decays); a member
-  with 0 there gets the identity, exactly.
+  with 0 there gets the identity, exactly. With `labels` (`params -> label`,
+  `trainer.step.optim.parameter_labels`) the parameters are grouped as
+  `grouped_optimizer` groups them: frozen ones get no update and no state, a
+  `config.param_groups` group scales the member's rate by its `lr_scale` and
+  may fix its own `weight_decay`, and clipping sees the trainable gradients.
   """
   name, schedule = config.optimizer, config.schedule.name
   if name not in OPTIMIZERS:
@@ -207,24 +212,40 @@ def swept_optimizer(config: ml_collections.ConfigDict, sweep: Sweep,
   decays = bool(sweep.column("weight_decay").max() > 0)
   momentum = bool(sweep.column("momentum").max() > 0)
   end_factor = config.schedule.end_factor
+  groups = [dict(g) for g in config.param_groups] if labels is not None else []
 
   def chain(learning_rate, warmup_steps, weight_decay, momentum_value, b1, grad_clip_norm):
-    def rate(count):
-      return schedule_value(count, peak=learning_rate, warmup=warmup_steps, name=schedule,
-                            num_train_steps=num_train_steps, end_factor=end_factor)
+    def rate(count, scale=1.0):
+      return scale * schedule_value(count, peak=learning_rate, warmup=warmup_steps,
+                                    name=schedule, num_train_steps=num_train_steps,
+                                    end_factor=end_factor)
 
-    parts = []
-    if clips:  # 0: never clip (an infinite norm).
-      parts.append(optax.clip_by_global_norm(
-          jnp.where(grad_clip_norm > 0, grad_clip_norm, jnp.inf)))
-    if name == "adamw":
-      parts.append(optax.adamw(rate, b1=b1, weight_decay=weight_decay, mask=decay_mask))
-    else:
-      if decays:
-        parts.append(optax.add_decayed_weights(weight_decay, mask=decay_mask))
-      parts.append(optax.sgd(rate, momentum=momentum_value if momentum else None)
-                   if name == "sgd" else optax.adam(rate, b1=b1))
-    return parts[0] if len(parts) == 1 else optax.chain(*parts)
+    def optimizer(rate, weight_decay, decays):
+      if name == "adamw":
+        return [optax.adamw(rate, b1=b1, weight_decay=weight_decay, mask=decay_mask)]
+      parts = [optax.add_decayed_weights(weight_decay, mask=decay_mask)] if decays else []
+      return parts + [optax.sgd(rate, momentum=momentum_value if momentum else None)
+                      if name == "sgd" else optax.adam(rate, b1=b1)]
+
+    def chained(parts):
+      return parts[0] if len(parts) == 1 else optax.chain(*parts)
+
+    # 0: never clip (an infinite norm).
+    clip = optax.clip_by_global_norm(jnp.where(grad_clip_norm > 0, grad_clip_norm, jnp.inf))
+    if labels is None:
+      return chained(([clip] if clips else []) + optimizer(rate, weight_decay, decays))
+    transforms = {FROZEN: optax.set_to_zero(),
+                  DEFAULT: chained(optimizer(rate, weight_decay, decays))}
+    for i, g in enumerate(groups):
+      decay, scale = g.get("weight_decay", weight_decay), g.get("lr_scale", 1.0)
+      transforms[f"group{i}"] = chained(optimizer(
+          lambda count, scale=scale: rate(count, scale), decay,
+          decays or bool(g.get("weight_decay", 0))))
+    grouped = optax.multi_transform(transforms, labels)
+    if not clips:
+      return grouped
+    return optax.chain(optax.masked(clip, lambda params: jax.tree.map(
+        lambda label: label != FROZEN, labels(params))), grouped)
 
   base = sweep.members[0]
   return optax.inject_hyperparams(chain)(

@@ -230,16 +230,22 @@ class Trainer(abc.ABC):
     The default clips by `grad_clip_norm` and decays the weights that
     `trainer.step.optim.default_decay_mask` selects (not biases or norm scales).
     Under `config.sweep` the same chain takes each member's hyperparameters from
-    its state (`trainer.sweep.swept_optimizer`).
+    its state (`trainer.sweep.swept_optimizer`). Parameters are grouped (frozen,
+    `config.param_groups`) when the config has patterns or `parameter_labels` is
+    overridden.
     """
+    labels = self.parameter_labels if self._groups_parameters else None
     if self.sweep is not None:
-      if self.config.freeze or self.config.param_groups:
-        raise ValueError("config.freeze / config.param_groups do not combine with "
-                         "config.sweep yet: a sweep's optimizer is one injected chain.")
-      return swept_optimizer(self.config, self.sweep, self.num_train_steps)
-    if self.config.freeze or self.config.param_groups:
-      return grouped_optimizer(self.config, self.schedule, labels=self.parameter_labels)
+      return swept_optimizer(self.config, self.sweep, self.num_train_steps, labels=labels)
+    if labels is not None:
+      return grouped_optimizer(self.config, self.schedule, labels=labels)
     return create_optimizer(self.config, self.schedule)
+
+  @property
+  def _groups_parameters(self) -> bool:
+    """Whether parameters are grouped: config patterns, or an overridden `parameter_labels`."""
+    return bool(self.config.freeze or self.config.param_groups
+                or type(self).parameter_labels is not Trainer.parameter_labels)
 
   def parameter_labels(self, params: PyTree) -> PyTree:
     """Each parameter's group: `'frozen'`, `'group<i>'` (`config.param_groups[i]`) or
@@ -608,7 +614,9 @@ class Trainer(abc.ABC):
     from strategies.single_device import SingleDevice
     one = jax.tree.map(lambda x: x[member], self.strategy.to_canonical(state))
     config = self.sweep.member_config(self.config, member)
-    plain = create_optimizer(config, create_schedule(config, self.num_train_steps))
+    schedule = create_schedule(config, self.num_train_steps)
+    plain = (grouped_optimizer(config, schedule, labels=self.parameter_labels)
+             if self._groups_parameters else create_optimizer(config, schedule))
     one = one.replace(opt_state=single_model_opt_state(one.opt_state, plain.init(one.params)))
     if getattr(one, "ema_decay", None) is not None:  # A fixed decay there: from its config.
       one = one.replace(ema_decay=None)
