@@ -134,11 +134,11 @@ def test_one_process_checkpoint_resumes_on_two_processes(two_processes, one_proc
 # -- Preemption and failures -------------------------------------------------------------------
 
 
-def start(root: pathlib.Path, *args: str) -> subprocess.Popen:
+def start(root: pathlib.Path, *args: str, launcher: tuple[str, ...] = ()) -> subprocess.Popen:
   env = dict(os.environ)
   env.pop("XLA_FLAGS", None)
   return subprocess.Popen(
-      [sys.executable, "-m", "trainer.distributed.launch", "--num_processes", "2",
+      [sys.executable, "-m", "trainer.distributed.launch", "--num_processes", "2", *launcher,
        "tests/multiprocess_run.py", f"--root={root}", *args],
       cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
@@ -233,6 +233,42 @@ def test_sigkill_of_one_process_then_restart_resumes_exactly(tmp_path, one_proce
   trainer, reference, _ = one_process["lm_fsdp"]  # The same run, uninterrupted, in 1 process.
   assert_same_state(state, cases.flat(trainer.strategy.to_canonical(reference.state)))
 
+
+def test_the_launcher_restarts_a_killed_process_and_the_job_finishes_exactly(tmp_path,
+                                                                            one_process):
+  """`--max_restarts`: SIGKILL one worker mid-run; every process starts again from the latest
+  complete checkpoint, and the job ends by itself with the uninterrupted run's state."""
+  import signal
+  launcher = start(tmp_path, "--cases=lm_fsdp", f"--num_steps={cases.NUM_STEPS}",
+                   "--step_seconds=1", launcher=("--max_restarts", "2"))
+  wait_for_step(tmp_path / "lm_fsdp", launcher, cases.SAVE_EVERY + 1)
+  os.kill(process_pid(launcher, 1), signal.SIGKILL)
+  output, _ = launcher.communicate(timeout=300)
+  assert launcher.returncode == 0, output[-6000:]
+  assert ("[launch] restart 1 of 2: process 1 failed with status -9; starting all 2 "
+          "processes again from the latest complete checkpoint.") in output, output[-4000:]
+  steps = [s for s, _ in train_losses(tmp_path / "lm_fsdp")]
+  assert sorted(set(steps)) == list(range(1, cases.NUM_STEPS + 1))
+  assert steps.count(cases.SAVE_EVERY + 1) == 2, steps  # Redone from checkpoint SAVE_EVERY.
+  state, meta = saved(tmp_path, "lm_fsdp")
+  assert meta["step"] == cases.NUM_STEPS and meta["stopped_by"] is None
+  trainer, reference, _ = one_process["lm_fsdp"]
+  assert_same_state(state, cases.flat(trainer.strategy.to_canonical(reference.state)))
+
+
+def test_the_launcher_gives_up_after_its_restarts(tmp_path):
+  script = tmp_path / "fails.py"
+  script.write_text("import os, sys\nprint('attempt', os.environ['TRAINER_RESTART'])\n"
+                    "sys.exit(3 if os.environ['JAX_PROCESS_ID'] == '1' else 0)\n")
+  result = subprocess.run(
+      [sys.executable, "-m", "trainer.distributed.launch", "--num_processes", "2",
+       "--max_restarts", "1", str(script)], cwd=ROOT, capture_output=True, text=True,
+      timeout=60)
+  assert result.returncode == 3, result.stdout
+  assert "[launch] restart 1 of 1: process 1 failed with status 3" in result.stdout
+  assert "no restarts are left (1 used); giving up." in result.stdout
+  assert sorted(line.split("] ")[1] for line in result.stdout.splitlines()
+                if "attempt" in line) == ["attempt 0", "attempt 0", "attempt 1", "attempt 1"]
 
 
 # -- Settings and errors, in this process ----------------------------------------------------

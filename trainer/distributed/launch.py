@@ -12,8 +12,14 @@ with those variables set, or with `TRAINER_DISTRIBUTED=auto` where
 
 SIGTERM or SIGINT to the launcher goes to every process (they agree on a step,
 save and exit 0). When a process fails, the others cannot go on (they would
-wait for it in a collective), so the launcher kills them and exits with the
-failed process's status; the latest complete checkpoint stays as it was.
+wait for it in a collective), so the launcher kills them; the latest complete
+checkpoint stays as it was. With `--max_restarts N` it then starts all the
+processes again, up to N times (torchrun's elastic restarts): the script
+resumes from the latest complete checkpoint in its workdir, as a rerun does.
+Each restart is logged with the failure that caused it, and the processes
+see `TRAINER_RESTART` (0 on the first attempt). Without restarts left it
+exits with the failed process's status. A stop the launcher was asked for
+(SIGTERM, SIGINT) is never restarted.
 """
 
 from __future__ import annotations
@@ -35,14 +41,19 @@ def free_port() -> int:
     return s.getsockname()[1]
 
 
-def process_env(process_id: int, num_processes: int, coordinator: str) -> dict[str, str]:
+#: The environment variable that tells a process which attempt it belongs to (0: the first).
+RESTART_ENV = "TRAINER_RESTART"
+
+
+def process_env(process_id: int, num_processes: int, coordinator: str,
+                restart: int = 0) -> dict[str, str]:
   """The environment of process `process_id`: this one's plus the distributed settings
   that `trainer.distributed.devices.initialize` reads (named there; repeated here so that the
-  launcher itself imports no jax)."""
+  launcher itself imports no jax), and the attempt (`TRAINER_RESTART`)."""
   env = dict(os.environ)
   env.pop("TRAINER_DISTRIBUTED", None)
   env.update({"JAX_COORDINATOR_ADDRESS": coordinator, "JAX_NUM_PROCESSES": str(num_processes),
-              "JAX_PROCESS_ID": str(process_id)})
+              "JAX_PROCESS_ID": str(process_id), RESTART_ENV: str(restart)})
   return env
 
 
@@ -53,13 +64,19 @@ def _relay(process_id: int, stream, out) -> None:
     out.flush()
 
 
-def launch(script_and_args: list[str], num_processes: int, port: int = 0) -> int:
-  """Runs the processes to the end; returns 0, or the status of the first that failed."""
+def _say(message: str) -> None:
+  sys.stdout.write(f"[launch] {message}\n")
+  sys.stdout.flush()
+
+
+def _attempt(script_and_args: list[str], num_processes: int, port: int, restart: int,
+             stop: threading.Event) -> tuple[int, int | None]:
+  """Runs the processes once: `(status, failed process)`; status 0 when all exited 0."""
   coordinator = f"localhost:{port or free_port()}"
   procs, relays = [], []
   for i in range(num_processes):
     p = subprocess.Popen([sys.executable, *script_and_args],
-                         env=process_env(i, num_processes, coordinator),
+                         env=process_env(i, num_processes, coordinator, restart),
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                          start_new_session=True)  # Signals reach a process only through us.
     procs.append(p)
@@ -68,20 +85,21 @@ def launch(script_and_args: list[str], num_processes: int, port: int = 0) -> int
 
   def forward(signum, frame):
     del frame
+    stop.set()
     for p in procs:
       if p.poll() is None:
         p.send_signal(signum)
 
   previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
-  status = 0
+  status, failed_process = 0, None
   try:
     while None in [p.poll() for p in procs]:  # A list: every process is polled.
       failed = [(i, p.returncode) for i, p in enumerate(procs)
                 if p.returncode not in (None, 0)]
       if failed:
-        i, status = failed[0]
-        sys.stdout.write(f"[launch] process {i} exited with status {status}; stopping "
-                         f"the other processes, which would wait for it.\n")
+        failed_process, status = failed[0]
+        _say(f"process {failed_process} exited with status {status}; stopping the other "
+             f"processes, which would wait for it.")
         for p in procs:
           if p.poll() is None:
             p.kill()
@@ -95,26 +113,53 @@ def launch(script_and_args: list[str], num_processes: int, port: int = 0) -> int
   for t in relays:
     t.join(timeout=10)
   if not status:
-    status = next((p.returncode for p in procs if p.returncode), 0)
+    failed_process, status = next(((i, p.returncode) for i, p in enumerate(procs)
+                                   if p.returncode), (None, 0))
+  return status, failed_process
+
+
+def launch(script_and_args: list[str], num_processes: int, port: int = 0,
+           max_restarts: int = 0) -> int:
+  """Runs the processes to the end, starting them all again after a failure up to
+  `max_restarts` times; returns 0, or the status of the last failure."""
+  stop = threading.Event()
+  for restart in range(max_restarts + 1):
+    status, failed = _attempt(script_and_args, num_processes, port, restart, stop)
+    if not status or stop.is_set():
+      break
+    if restart == max_restarts:
+      if max_restarts:
+        _say(f"process {failed} failed with status {status} and no restarts are left "
+             f"({max_restarts} used); giving up.")
+      break
+    _say(f"restart {restart + 1} of {max_restarts}: process {failed} failed with status "
+         f"{status}; starting all {num_processes} processes again from the latest complete "
+         f"checkpoint.")
   return 128 - status if status < 0 else status  # Killed by signal N: 128 + N, as a shell says.
 
 
 def main(argv: list[str] | None = None) -> int:
   parser = argparse.ArgumentParser(
       prog="python -m trainer.distributed.launch", description=__doc__.split("\n\n")[0],
-      usage="python -m trainer.distributed.launch --num_processes N SCRIPT [ARGS...]")
+      usage="python -m trainer.distributed.launch --num_processes N [--max_restarts R] SCRIPT "
+          "[ARGS...]")
   parser.add_argument("--num_processes", type=int, required=True,
                       help="how many processes to start (each gets its share of the devices)")
   parser.add_argument("--port", type=int, default=0,
                       help="the coordinator's port on localhost (0: a free one)")
+  parser.add_argument("--max_restarts", type=int, default=0,
+                      help="start all processes again this many times at most when one fails; "
+                           "the script resumes from its latest complete checkpoint")
   parser.add_argument("script", help="the training script, e.g. examples/mnist_ensemble.py")
   parser.add_argument("args", nargs=argparse.REMAINDER, help="the script's own flags")
   args = parser.parse_args(argv)
   if args.num_processes < 1:
     parser.error(f"--num_processes={args.num_processes} must be >= 1.")
+  if args.max_restarts < 0:
+    parser.error(f"--max_restarts={args.max_restarts} must be >= 0.")
   if not os.path.isfile(args.script):
     parser.error(f"script {args.script!r} is not a file.")
-  return launch([args.script, *args.args], args.num_processes, args.port)
+  return launch([args.script, *args.args], args.num_processes, args.port, args.max_restarts)
 
 
 if __name__ == "__main__":
