@@ -39,6 +39,14 @@ def get_config() -> ml_collections.ConfigDict:
   # in a loop are slow; scan elsewhere).
   config.steps_loop = ""
 
+  # Exit when no train call or action finishes for this long (0: off): every thread's
+  # stack goes to the log, half-written checkpoints are removed, and the process exits
+  # with status 75 (trainer/loop/timing.py), which the launcher's --max_restarts and
+  # cluster schedulers restart. Compilation, evaluation and checkpoint saves get
+  # watchdog_slow_seconds (0: 10x watchdog_seconds).
+  config.watchdog_seconds = 0.0
+  config.watchdog_slow_seconds = 0.0
+
   # Orbax checkpoints in <workdir>/checkpoints (when the entry point has a
   # workdir). A run in a workdir that holds one resumes from the latest.
   config.checkpoint = ml_collections.ConfigDict()

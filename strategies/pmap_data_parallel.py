@@ -31,6 +31,12 @@ class PmapDataParallel(OneProcess, Strategy):
   single-device mask.
   """
 
+  program_is_per_device = True
+
+  @property
+  def num_devices(self) -> int:
+    return len(self.devices)
+
   steps_axis = 1  # Chunk outputs: (devices, steps, ...).
 
   def __init__(self, devices: list[jax.Device] | None = None):

@@ -25,6 +25,12 @@ class PmapEnsemble(Ensemble, OneProcess, Strategy):
   probabilities with `lax.pmean` over the `ensemble` axis.
   """
 
+  program_is_per_device = True
+
+  @property
+  def num_devices(self) -> int:
+    return len(self.devices)
+
   steps_axis = 1  # Chunk outputs: (members, steps, ...).
 
   def __init__(self, num_members: int, devices: list[jax.Device] | None = None):

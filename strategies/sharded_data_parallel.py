@@ -153,6 +153,10 @@ class ShardedDataParallel(GlobalMeshBatch, Strategy):
   order, so each process feeds a consecutive block of the batch rows).
   """
 
+  @property
+  def num_devices(self) -> int:
+    return self.mesh.size
+
 
   def __init__(self, mesh_shape: Sequence[int], mesh_axes: Sequence[str],
                logical_axis_rules: Sequence, devices: Sequence[jax.Device] | None = None):

@@ -54,6 +54,12 @@ class ShardedEnsemble(Ensemble, GlobalMeshBatch, Strategy):
   vectorise the local members so that ensemble means can use a named axis.
   """
 
+  program_is_per_device = True
+
+  @property
+  def num_devices(self) -> int:
+    return self.mesh.size
+
   steps_axis = 1  # Chunk outputs: (members, steps, ...).
 
   def __init__(self, num_members: int, mesh_shape: Sequence[int] = (-1, 1), loop: str = "",

@@ -15,6 +15,10 @@ from strategies.tree import abstract_with_sharding
 class SingleDevice(OneProcess, Strategy):
   """Everything on one device; every collective is the identity."""
 
+  @property
+  def num_devices(self) -> int:
+    return 1
+
   def __init__(self, device: jax.Device | None = None):
     self.device = device or jax.local_devices()[0]
 

@@ -46,6 +46,7 @@ from strategies.capabilities import models_named
 from strategies.summary import summarize
 from strategies.tree import to_host
 from trainer import metrics as metrics_lib
+from trainer import throughput
 from trainer.checkpoint import (
   Checkpointer,
   CheckpointError,
@@ -61,6 +62,7 @@ from trainer.loop import builtin as actions_lib
 from trainer.loop import driver
 from trainer.loop.actions import Action, FitResult
 from trainer.loop.chunks import ChunkPlan
+from trainer.loop.timing import LoopClock, Watchdog
 from trainer.step import model_variables
 from trainer.step.functions import (
   STEP_LOOPS,
@@ -170,6 +172,13 @@ class Trainer(abc.ABC):
     if not isinstance(self.steps_per_call, int) or self.steps_per_call < 1:
       raise ValueError(f"config.steps_per_call={self.steps_per_call!r} must be an integer "
                        f">= 1: how many train steps one compiled call runs.")
+    for field, zero in (("watchdog_seconds", "no watchdog"),
+                        ("watchdog_slow_seconds", "10x watchdog_seconds")):
+      value = config[field]
+      if not isinstance(value, (int, float)) or value < 0:
+        raise ValueError(f"config.{field}={value!r} must be a number of seconds >= 0 "
+                         f"(0: {zero}).")
+    self.step_flops: throughput.StepFlops | None = None
     steps_loop = config.steps_loop or default_steps_loop(jax.devices()[0].platform)
     if steps_loop not in STEP_LOOPS:
       raise ValueError(f"config.steps_loop={config.steps_loop!r} is not one of {STEP_LOOPS} "
@@ -253,6 +262,10 @@ class Trainer(abc.ABC):
     (e.g. by shape); it is called with the parameters while the state is built."""
     return parameter_labels(params, freeze=tuple(self.config.freeze),
                             groups=[dict(g) for g in self.config.param_groups])
+
+  def tokens_per_step(self) -> int | None:
+    """Tokens in one train batch, for `train/tokens_per_sec`; None: not a token model."""
+    return None
 
   def learning_rate(self, step: int) -> float | None:
     """The learning rate of the update from `step` to `step + 1`, or None if unknown."""
@@ -341,7 +354,11 @@ class Trainer(abc.ABC):
         writer, every_steps=config.log_every_steps,
         fetch_metrics=self.strategy.fetch_metrics,
         merge_host_metrics=self.strategy.merge_host_metrics, learning_rate=self.learning_rate,
-        batch_size=config.batch_size, counts_skipped=self.recipe.skips_nonfinite))
+        batch_size=config.batch_size, counts_skipped=self.recipe.skips_nonfinite,
+        flops=lambda: self.step_flops,
+        peak_tflops=lambda: throughput.peak_tflops(jax.devices()[0],
+                                                   config.mixed_precision.compute_dtype),
+        tokens_per_step=self.tokens_per_step()))
     if eval_batches is not None:
       actions.append(actions_lib.Evaluate(writer, self.evaluate, eval_batches,
                                           every_steps=eval_every,
@@ -493,11 +510,20 @@ class Trainer(abc.ABC):
       state, batch = self._resume(checkpointer, resume_step, batches, batch, run_actions)
     elif state is None:
       state = self.init_state(batch)
+    abstract = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+    self.step_flops = throughput.StepFlops(
+        lambda: self.compiled.train(state).lower(abstract, self.strategy.put_batch(batch)),
+        per_device_program=self.strategy.program_is_per_device,
+        num_devices=self.strategy.num_devices)
     if logging.getLogger().isEnabledFor(logging.INFO):  # The summary reads every shard.
-      logging.info("Strategy %s", summarize(self.strategy, state))
+      logging.info("Strategy %s\n  %s", summarize(self.strategy, state),
+                   self.step_flops.describe())
     # Eval and predict are traced now, so that a mistake in them stops the run
     # before it trains rather than at the first evaluation.
     self.evaluator.trace(state, batch, eval_batches)
+    clock = next((a.clock for a in run_actions if isinstance(a, actions_lib.ReportMetrics)),
+                 LoopClock())
     chunked = self.steps_per_call > 1 or device_data is not None
     plan = (ChunkPlan(self.steps_per_call, start=start, num_steps=num_steps,
                       actions=run_actions) if chunked else None)
@@ -505,23 +531,54 @@ class Trainer(abc.ABC):
       advance = self._device_data_calls(state, device_data, plan)
     else:
       advance = self._host_batch_calls(state, itertools.chain([batch], batches), start,
-                                       num_steps, plan, batches)
+                                       num_steps, plan, batches, clock)
     steps_axis = self.strategy.steps_axis if chunked else None
+    advance.compiles_at = self._compiles_at(plan)
     finite = driver.FiniteCheck(skip=self.recipe.skips_nonfinite, to_host=to_host,
                                 which_models=models_named(self.strategy),
                                 saved_note=lambda: _last_finite_checkpoint(checkpointer),
                                 steps_axis=steps_axis)
-    with _waiting_for_saves(checkpointer):
+    with _waiting_for_saves(checkpointer), self._watchdog(clock, checkpointer):
       result = driver.run(advance, state=state, start=start, num_steps=num_steps,
                           actions=run_actions, finite=finite,
-                          canonical=self.strategy.to_canonical, steps_axis=steps_axis)
+                          canonical=self.strategy.to_canonical, steps_axis=steps_axis,
+                          clock=clock)
     if writer is not None:
       writer.flush()
     return result
 
+  def _compiles_at(self, plan: ChunkPlan | None) -> Callable[[int], bool]:
+    """`step -> whether the call from step compiles`: the first call of each length."""
+    seen: set[int] = set()
+
+    def compiles_at(step: int) -> bool:
+      size = plan.size(step) if plan else 1
+      new = size not in seen
+      seen.add(size)
+      return new
+
+    return compiles_at
+
+  @contextlib.contextmanager
+  def _watchdog(self, clock: LoopClock, checkpointer: Checkpointer | None):
+    """A `Watchdog` on the loop while it runs, if `config.watchdog_seconds` is set."""
+    seconds = self.config.watchdog_seconds
+    if not seconds:
+      yield
+      return
+    watchdog = Watchdog(seconds, self.config.watchdog_slow_seconds or 10 * seconds,
+                        cleanup=checkpointer.remove_partial if checkpointer else lambda: None)
+    clock.watchdog = watchdog
+    watchdog.start()
+    try:
+      yield
+    finally:
+      watchdog.stop()
+      clock.watchdog = None
+
   def _host_batch_calls(self, state: TrainState, batches: Iterator[Batch], start: int,
                         num_steps: int, plan: ChunkPlan | None,
-                        source: Any) -> driver.Advance:
+                        source: Any, clock: LoopClock) -> driver.Advance:
     """`advance` for host batches: each call's batches checked and placed ahead of it
     (`DeviceFeed`); one step a call, or `plan`'s chunks stacked into one call."""
     feed = DeviceFeed(batches, start, check=self._check_train_batch,
@@ -532,9 +589,11 @@ class Trainer(abc.ABC):
     call = self.compiled.train_chunk(state) if plan else self.compiled.train(state)
 
     def advance(state, step):
-      placed, data_state = feed.next()
+      with clock.measure("data"):
+        placed, data_state = feed.next()
       state, outputs = call(state, placed, None) if plan else call(state, placed)
-      feed.fill()  # The next batches are read and placed while this call runs.
+      with clock.measure("data"):
+        feed.fill()  # The next batches are read and placed while this call runs.
       return state, outputs, step + feed.last_steps, data_state
 
     return advance

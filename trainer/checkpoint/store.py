@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 from collections.abc import Mapping
 from typing import Any
 
@@ -37,6 +38,8 @@ PyTree = Any
 LAYOUT_VERSION = 1
 STATE_ITEM = "state"
 LAYOUT_ITEM = "layout"
+#: What orbax puts in the name of a step directory it is still writing.
+TMP_MARK = ".orbax-checkpoint-tmp"
 
 
 class _DropInfo(logging.Filter):
@@ -157,7 +160,9 @@ class Checkpointer:
         **keep, enable_async_checkpointing=async_save, create=True,
         # Directories are made before save() returns: a directory that cannot be
         # made fails that call, instead of leaving orbax's writer threads waiting.
-        async_options=ocp.AsyncOptions(create_directories_asynchronously=False))
+        async_options=ocp.AsyncOptions(create_directories_asynchronously=False),
+        # A save interrupted by a crash leaves a temporary directory: removed on start.
+        cleanup_tmp_directories=True)
     self._made: ocp.CheckpointManager | None = None
     self._pending_step: int | None = None  # The step of a save that may still be writing.
 
@@ -200,6 +205,17 @@ class Checkpointer:
     """The step of the best checkpoint by `best_metric` (the latest without one), or None."""
     self._manager.reload()
     return self._manager.best_step()
+
+  def remove_partial(self) -> None:
+    """Deletes the temporary directories of saves that did not finish (orbax writes a step
+    into one and renames it when complete), so that nothing half-written is left."""
+    if not os.path.isdir(self.directory):
+      return
+    for name in os.listdir(self.directory):
+      if TMP_MARK in name:
+        shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
+        logging.warning("Removed the unfinished checkpoint save %s",
+                        os.path.join(self.directory, name))
 
   def step_dir(self, step: int) -> str:
     return os.path.join(self.directory, str(step))

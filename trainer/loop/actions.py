@@ -160,6 +160,8 @@ class Action:
 
   #: Whether `run` reads the state's values (the loop checks the step first).
   reads_state: bool = False
+  #: Where the loop accounts this action's time (`trainer.loop.timing.CATEGORIES`).
+  time_category: str = "other"
 
   def __init__(self, *, every_steps: int = 1):
     if not isinstance(every_steps, int) or every_steps < 0:

@@ -27,6 +27,7 @@ from clu import metric_writers
 
 from strategies.tree import split_steps
 from trainer import metrics as metrics_lib
+from trainer.loop import timing
 from trainer.loop.actions import Action, Produced, StepView, next_multiple
 
 Batch = Mapping[str, Any]
@@ -83,7 +84,8 @@ class StopOnSignal(Action):
 
 
 class ReportMetrics(Action):
-  """Writes the mean train metrics, the learning rate and throughput every `every_steps`.
+  """Writes the mean train metrics, the learning rate, throughput and where the time went
+  every `every_steps`.
 
   Step metrics stay on device until a write; then they come to the host in
   one transfer and merge in numpy. A call of several steps holds each step's
@@ -97,14 +99,31 @@ class ReportMetrics(Action):
     learning_rate: `step -> rate` of the update from `step`, or None if unknown.
     batch_size: examples per step, for examples/s.
     counts_skipped: whether to report `train/skipped_steps` (`nonfinite='skip'`).
+    flops: `() -> StepFlops` of the train step (`trainer.throughput`): with one,
+      `train/tflops_per_device` is written.
+    peak_tflops: `() -> the device's peak TFLOP/s, or None`: with a peak, `train/mfu`.
+    tokens_per_step: tokens in a batch (language models), for `train/tokens_per_sec`.
+
+  Time: `clock` (`trainer.loop.timing.LoopClock`) is the one the loop measures
+  with; each write adds `train/time_<category>` (fractions of the wall time so
+  far) and `train/goodput` (the `train` fraction), and the split is logged when
+  the loop ends. The time before the loop counts as `startup`, or `restart` for
+  a run that resumed. The totals are saved with each checkpoint and added to on
+  resume, so they cover every attempt of the run.
   """
+
+  time_category = "train"
 
   def __init__(self, writer: metric_writers.MetricWriter, *, every_steps: int,
                fetch_metrics: Callable[[list], list],
                merge_host_metrics: Callable[[list], Any],
                learning_rate: Callable[[int], float | None], batch_size: int,
-               counts_skipped: bool = False):
+               counts_skipped: bool = False, flops: Callable[[], Any] | None = None,
+               peak_tflops: Callable[[], float | None] | None = None,
+               tokens_per_step: int | None = None):
     super().__init__(every_steps=every_steps)
+    self.flops, self.peak_tflops, self.tokens_per_step = flops, peak_tflops, tokens_per_step
+    self.clock = timing.LoopClock()
     self.writer = writer
     self.fetch_metrics, self.merge_host_metrics = fetch_metrics, merge_host_metrics
     self.learning_rate, self.batch_size = learning_rate, batch_size
@@ -127,6 +146,7 @@ class ReportMetrics(Action):
   def begin(self, view: StepView) -> None:
     self._tick, self._eval_seconds = time.perf_counter(), view.eval_seconds
     self._last_step = view.step
+    self.clock.add("restart" if view.start_step else "startup", timing.startup_seconds())
 
   def run(self, view: StepView) -> None:
     self._pending.append((view.previous_step + 1, view.steps_axis, view.outputs["metrics"]))
@@ -137,6 +157,16 @@ class ReportMetrics(Action):
   def end(self, view: StepView) -> None:
     if self._pending or self._host:
       self._write(view, [view.step])
+
+  def close(self) -> None:
+    logging.info("Time: %s", self.clock.describe())
+    timing.mark_loop_end()
+
+  def state_dict(self) -> dict[str, float]:
+    return self.clock.state_dict()
+
+  def load_state_dict(self, state: dict[str, float]) -> None:
+    self.clock.load_state_dict(state)
 
   def _to_host(self) -> None:
     """The pending calls' metrics to the host in one transfer, one entry per step."""
@@ -157,8 +187,14 @@ class ReportMetrics(Action):
     steps_per_sec = (view.step - self._last_step) / max(seconds, 1e-9)
     examples_per_sec = steps_per_sec * self.batch_size
     eta = (view.num_steps - view.step) / max(steps_per_sec, 1e-9)
-    logging.info("step %d/%d: %.2f steps/s, %.0f examples/s, ETA %dm%02ds", view.step,
-                 view.num_steps, steps_per_sec, examples_per_sec, eta // 60, eta % 60)
+    throughput = self._throughput(steps_per_sec)
+    fractions = self.clock.fractions()
+    time_split = {f"train/time_{k}": v for k, v in fractions.items()}
+    time_split["train/goodput"] = fractions["train"]
+    logging.info("step %d/%d: %.2f steps/s, %.0f examples/s%s, ETA %dm%02ds", view.step,
+                 view.num_steps, steps_per_sec, examples_per_sec,
+                 "".join(f", {k.removeprefix('train/')} {v:.3g}" for k, v in throughput.items()),
+                 eta // 60, eta % 60)
     for step in steps:
       ready = [m for s, m in self._host if s <= step]
       self._host = [(s, m) for s, m in self._host if s > step]
@@ -170,12 +206,27 @@ class ReportMetrics(Action):
       if lr is not None:
         scalars["train/learning_rate"] = lr
       scalars.update({"train/steps_per_sec": steps_per_sec,
-                      "train/examples_per_sec": examples_per_sec})
+                      "train/examples_per_sec": examples_per_sec, **throughput, **time_split})
       if self.counts_skipped:
         scalars["train/skipped_steps"] = sum(1 for s in view.skipped_at if s <= step)
       self.writer.write_scalars(step, scalars)
     self._tick, self._eval_seconds = time.perf_counter(), view.eval_seconds
     self._last_step = view.step
+
+
+  def _throughput(self, steps_per_sec: float) -> dict[str, float]:
+    """`train/tokens_per_sec`, `train/tflops_per_device` and `train/mfu`, as far as known."""
+    out = {}
+    if self.tokens_per_step:
+      out["train/tokens_per_sec"] = steps_per_sec * self.tokens_per_step
+    flops = self.flops() if self.flops else None
+    if flops is not None and flops.per_device is not None:
+      achieved = flops.per_device * steps_per_sec / 1e12
+      out["train/tflops_per_device"] = achieved
+      peak = self.peak_tflops() if self.peak_tflops else None
+      if peak:
+        out["train/mfu"] = achieved / peak
+    return out
 
 
 class Evaluate(Action):
@@ -190,6 +241,8 @@ class Evaluate(Action):
   Once a signal has stopped the run (preemption), it does not evaluate: the
   checkpoint comes first.
   """
+
+  time_category = "eval"
 
   reads_state = True
 
@@ -236,6 +289,8 @@ class SweepReport(Action):
     summarize: `(step, results, best index) -> None`: writes the summary files
       and exports the best member (`Trainer.finish_sweep`).
   """
+
+  time_category = "eval"
 
   reads_state = True
 
@@ -362,6 +417,8 @@ class Checkpoint(Action):
   best-checkpoint policy ranks by. At a stop (SIGTERM, early stopping) the
   save is waited for before `fit` returns.
   """
+
+  time_category = "checkpoint"
 
   reads_state = True
 

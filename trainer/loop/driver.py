@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from trainer.loop.actions import Action, FitResult, Produced, StepView
+from trainer.loop.timing import LoopClock
 
 PyTree = Any
 #: `(state, step) -> (state, outputs, new step, data position)`: one compiled call.
@@ -109,11 +110,13 @@ def _fold(view: StepView, produced: Produced | None, result: FitResult) -> StepV
 def run(advance: Advance, *, state: Any, start: int, num_steps: int,
         actions: Sequence[Action], finite: FiniteCheck | None = None,
         canonical: Callable[[PyTree], PyTree] = lambda tree: tree,
-        steps_axis: int | None = None) -> FitResult:
+        steps_axis: int | None = None, clock: LoopClock | None = None) -> FitResult:
   """Advances from `start` until `num_steps` (or a requested stop), running the actions.
 
   `steps_axis`: where each call's outputs hold its steps (`StepView.steps_axis`),
-  None when `advance` runs one step a call.
+  None when `advance` runs one step a call. `clock` accounts the wall time: each
+  call as `train`, or `compile` where `advance.compiles_at(step)` says the call
+  compiles; each action by its `time_category`; the rest as `other`.
 
   Each action's `begin` runs before the first call, its `run` after each call
   at which it triggers, its `end` after the last call, and its `close`
@@ -135,28 +138,38 @@ def run(advance: Advance, *, state: Any, start: int, num_steps: int,
     return dataclasses.replace(view, skipped_steps=finite.skipped,
                                skipped_at=tuple(finite.skipped_at))
 
+  clock = clock or LoopClock()
+  compiles_at = getattr(advance, "compiles_at", lambda step: False)
   begun: list[Action] = []
   try:
-    for action in actions:
-      view = _fold(view, action.begin(view), result)
-      begun.append(action)
-    while view.step < num_steps and view.stop_reason is None:
-      state, outputs, step, data_state = advance(view.state, view.step)
-      if finite:
-        finite.push(step, outputs["finite"])
-      view = dataclasses.replace(
-          view, step=step, previous_step=view.step, state=state, outputs=outputs,
-          eval_results=None, data_state=data_state,
-          skipped_steps=finite.skipped if finite else 0,
-          skipped_at=tuple(finite.skipped_at) if finite else ())
+    with clock.measure("other"):  # What no inner measurement claims: the loop's own time.
       for action in actions:
-        if action.triggers(view):
-          if action.needs_checked_step(view):
-            view = checked(view)
-          view = _fold(view, action.run(view), result)
-    view = checked(view)
-    for action in actions:
-      view = _fold(view, action.end(view), result)
+        with clock.measure(action.time_category):
+          view = _fold(view, action.begin(view), result)
+        begun.append(action)
+      while view.step < num_steps and view.stop_reason is None:
+        with clock.measure("compile" if compiles_at(view.step) else "train"):
+          state, outputs, step, data_state = advance(view.state, view.step)
+        if finite:
+          with clock.measure("train"):  # Waits for the call before this one.
+            finite.push(step, outputs["finite"])
+        view = dataclasses.replace(
+            view, step=step, previous_step=view.step, state=state, outputs=outputs,
+            eval_results=None, data_state=data_state,
+            skipped_steps=finite.skipped if finite else 0,
+            skipped_at=tuple(finite.skipped_at) if finite else ())
+        for action in actions:
+          if action.triggers(view):
+            if action.needs_checked_step(view):
+              with clock.measure("train"):  # Waits for the call.
+                view = checked(view)
+            with clock.measure(action.time_category):
+              view = _fold(view, action.run(view), result)
+      with clock.measure("train"):
+        view = checked(view)
+      for action in actions:
+        with clock.measure(action.time_category):
+          view = _fold(view, action.end(view), result)
   finally:
     for action in reversed(begun):
       action.close()
