@@ -47,6 +47,15 @@ def get_config() -> ml_collections.ConfigDict:
   config.watchdog_seconds = 0.0
   config.watchdog_slow_seconds = 0.0
 
+  # Where metrics go besides the console (trainer/writers.py): "tensorboard" (event
+  # files), "jsonl" (metrics.jsonl), "wandb" (Weights & Biases, from process 0, the same
+  # run after a restart; pip install -e '.[wandb]').
+  config.writers = ("tensorboard", "jsonl")
+  config.wandb = ml_collections.ConfigDict()
+  config.wandb.project = "flax-trainer"
+  config.wandb.entity = ""  # "": the account's default.
+  config.wandb.mode = ""  # "online", "offline", "disabled"; "": $WANDB_MODE, else online.
+
   # Orbax checkpoints in <workdir>/checkpoints (when the entry point has a
   # workdir). A run in a workdir that holds one resumes from the latest.
   config.checkpoint = ml_collections.ConfigDict()

@@ -73,6 +73,7 @@ def train_and_evaluate(config, workdir: str) -> dict[str, float] | None:
         return models.CNN(num_classes=10)
       raise ValueError(f"config.model.name={m.name!r} is not one of ('cnn', 'resnet').")
 
+  writers.check_writers(config.writers)
   d = config.data
   if d.pipeline not in PIPELINES:
     raise ValueError(f"config.data.pipeline={d.pipeline!r} is not one of {PIPELINES}.")
@@ -109,7 +110,7 @@ def train_and_evaluate(config, workdir: str) -> dict[str, float] | None:
   logging.info("Training %d steps (%d examples per epoch) with %s", num_steps, len(train),
                trainer.strategy.describe())
 
-  writer = writers.create_writer(workdir)
+  writer = writers.create_writer(workdir, config.writers, config)
   writer.write_hparams(config.to_dict())
   try:
     result = trainer.fit(train_batches, num_steps=num_steps, checkpointer=checkpointer,

@@ -51,7 +51,7 @@ def train(config, workdir: str) -> None:
   # Eval batches are global: each process passes all, the Trainer puts its rows.
   held_out = list(itertools.islice(synthetic_token_batches(
       config.seed, config.batch_size, config.seq_len, config.model.vocab_size, 10**6), 4))
-  writer = writers.create_writer(workdir)
+  writer = writers.create_writer(workdir, config.writers, config)
   try:
     result = trainer.fit(stream, num_steps=config.num_train_steps, checkpointer=checkpointer,
                          writer=writer, eval_batches=lambda: held_out, workdir=workdir)

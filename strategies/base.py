@@ -42,9 +42,6 @@ class Strategy(abc.ABC):
   #: axis on the host: 0, or 1 behind the strategy's own leading axis (devices,
   #: members). Taking index i along it gives step i's outputs in `put_batch` layout.
   steps_axis: int = 0
-  #: Whether a compiled step is one device's part of the step (pmap, shard_map), not the
-  #: global step (jit): what its cost analysis counts (`trainer.throughput.StepFlops`).
-  program_is_per_device: bool = False
 
   @property
   @abc.abstractmethod

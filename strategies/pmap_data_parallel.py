@@ -31,8 +31,6 @@ class PmapDataParallel(OneProcess, Strategy):
   single-device mask.
   """
 
-  program_is_per_device = True
-
   @property
   def num_devices(self) -> int:
     return len(self.devices)

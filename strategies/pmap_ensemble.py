@@ -25,8 +25,6 @@ class PmapEnsemble(Ensemble, OneProcess, Strategy):
   probabilities with `lax.pmean` over the `ensemble` axis.
   """
 
-  program_is_per_device = True
-
   @property
   def num_devices(self) -> int:
     return len(self.devices)

@@ -224,7 +224,12 @@ class ShardedDataParallel(GlobalMeshBatch, Strategy):
       with self._context():
         return jitted.lower(*args)
 
-    call.lower = lower  # Like a jitted function's: for the compiled program's text.
+    def trace(*args):
+      with self._context():
+        return jitted.trace(*args)
+
+    # Like a jitted function's: for the compiled program's text and its jaxpr.
+    call.lower, call.trace = lower, trace
     return call
 
   def compile_train_step(self, step_fn: StepFn, state: PyTree) -> StepFn:

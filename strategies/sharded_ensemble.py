@@ -54,8 +54,6 @@ class ShardedEnsemble(Ensemble, GlobalMeshBatch, Strategy):
   vectorise the local members so that ensemble means can use a named axis.
   """
 
-  program_is_per_device = True
-
   @property
   def num_devices(self) -> int:
     return self.mesh.size

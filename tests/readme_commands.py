@@ -54,6 +54,8 @@ FEW_STEPS = {
                                      "--repeats", "1", "--batch", "16"],
     "benchmarks/sweep_vs_runs.py": ["--members", "2", "--steps", "3", "--batch", "16",
                                     "--devices", "2"],
+    "benchmarks/lm_mfu.py": ["--steps", "1", "--repeats", "1", "--layers", "1", "--batch", "2",
+                             "--matmul", "256"],
     "benchmarks/remat.py": ["--rounds", "1", "--block-seconds", "0", "--layers", "2", "--seq",
                             "32", "--batch", "4", "--variants", "blocks/nothing"],
 }
@@ -71,6 +73,8 @@ EXPECTED_OUTPUT = {
     "benchmarks/structure.py": r"^import cycles\s+\S+\s+0$",
     "benchmarks/steps_per_call.py": r"one\s+2\s+\d+\.\d\s+\d+\.\d\s+\d+\.\d\s+\d+\.\d{3}x",
     "benchmarks/sweep_vs_runs.py": r"^ratio\s+\d+\.\d{2}x\s+\d+\.\d{2}x",
+    "benchmarks/lm_mfu.py": (r"^cpu\s+float32\s+\d+\.\dM\s+\d+\.\d\s+\d+\.\d{4}\s+\d+\s+"
+                             r"\d+\.\d{3}\s+\S+\s+\d+\.\d%"),
     "benchmarks/remat.py": r"^blocks/nothing\s+\d+\.\d\s+\d\.\d{2}x\s+\d+\.\d{4}\s+\d+\.\d{3}x",
 }
 

@@ -1,7 +1,7 @@
 """Runs that say how fast they are and where their time went, and a watchdog for hangs.
 
-FLOPs per step come from XLA's cost analysis and scale with the models a strategy
-trains; MFU is the achieved FLOP/s over the device's peak; the loop's wall time
+FLOPs per step are the step's matrix products, counted through scans and over the
+models a strategy trains; MFU is the achieved FLOP/s over the device's peak; the loop's wall time
 is split into categories that add up, carried over a resume; a hang ends the
 process with the watchdog's status, its threads' stacks in the log and only
 complete checkpoints on disk, and the same command then resumes exactly.
@@ -49,23 +49,35 @@ class DenseTrainer(CNNTrainer):
 
 def test_a_dense_models_step_costs_what_its_matmuls_do():
   flops = _flops({"batch_size": 64}, DenseTrainer, image_batches(1, 64)[0])
-  params = 784 * 256 + 256 + 256 * 10 + 10
-  # Per example: 2 FLOPs per parameter forward, 2 for the weight gradients, and 2 per
-  # weight of the second layer for its input gradient (the images need none).
-  matmuls = 64 * (4 * params + 2 * 256 * 10)
-  assert 1.0 <= flops.total / matmuls < 1.1, flops.total  # Plus activations, softmax, SGD.
+  # Per example, 2 FLOPs a multiply-add: each weight forward and for its gradient, and the
+  # second layer's weights once more for its input gradient (the images need none).
+  first, second = 784 * 256, 256 * 10
+  assert flops.total == 64 * 2 * (2 * first + 3 * second)
   assert flops.per_device == flops.total
 
 
-@pytest.mark.parametrize("strategy,models", [("pmap_ensemble", 8), ("sharded_ensemble", 4),
+@pytest.mark.parametrize("strategy,models", [("pmap_data_parallel", 1), ("pmap_ensemble", 8),
+                                             ("sharded_ensemble", 4),
                                              ("sharded_data_parallel", 1)])
 def test_flops_count_every_model_a_strategy_trains(strategy, models):
   one = _flops({}).total
   flops = _flops(ALL_STRATEGIES[strategy])
-  # shard_map splits each member's batch over 2 data devices: the per-device programs
-  # repeat the optimizer update, a few percent more than one device's step.
-  np.testing.assert_allclose(flops.total, models * one, rtol=0.06)
+  assert flops.total == pytest.approx(models * one, rel=1e-9)
   assert flops.per_device == pytest.approx(flops.total / 8)
+
+
+def test_a_scanned_models_flops_grow_with_its_layers():
+  """The LM's blocks run in `nn.scan`: each layer counts (XLA's cost analysis counts a
+  loop body once)."""
+  def lm_flops(layers):
+    config = tiny_lm_config(**{"strategy.name": "single_device", "model.num_layers": layers})
+    trainer = LanguageModelTrainer(config)
+    trainer.fit(list(itertools.islice(synthetic_token_batches(0, 16, 16, 32), 1)),
+                num_steps=1)
+    return trainer.step_flops.total
+
+  one, two, three = (lm_flops(n) for n in (1, 2, 3))
+  assert three - two == pytest.approx(two - one, rel=1e-9) and two > one
 
 
 def test_mfu_is_the_achieved_flops_over_the_devices_peak(tmp_path, monkeypatch):

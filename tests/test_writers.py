@@ -1,7 +1,11 @@
-"""metrics.jsonl: one record per split and write, on disk as soon as it is written."""
+"""The writers: metrics.jsonl (one record per split and write, on disk as soon as it is
+written), and Weights & Biases offline."""
 
 import json
 
+import pytest
+
+from trainer import writers
 from trainer.writers import JsonlWriter
 
 
@@ -16,3 +20,39 @@ def test_each_write_is_on_disk_before_close(tmp_path):
   assert records[1:] == [{"step": 20, "split": "eval", "nll": 0.25, "ece": 0.125},
                          {"step": 20, "split": None, "lr": 0.1}]
   writer.close()
+
+
+def test_weights_and_biases_logs_offline_and_a_restart_resumes_the_same_run(tmp_path,
+                                                                            monkeypatch):
+  """`config.writers` with 'wandb', in W&B's offline mode (no network): the scalars and the
+  config reach the run, and a second writer in the same workdir (a restarted run) resumes
+  the run id kept there."""
+  pytest.importorskip("wandb")  # The [test] extra installs it: CI runs this.
+  from configs import base
+  monkeypatch.setenv("WANDB_SILENT", "true")
+  config = base.get_config()
+  config.writers = ("jsonl", "wandb")
+  config.wandb.mode = "offline"
+  ids = []
+  for attempt, step in enumerate((2, 4)):
+    writer = writers.create_writer(str(tmp_path), config.writers, config)
+    writer.write_hparams({"learning_rate": 0.1, "attempt": attempt})
+    writer.write_scalars(step, {"train/loss": 1.5 / step})
+    wandb_writer = writer._writers[-1]
+    ids.append(wandb_writer.run.id)
+    writer.close()
+  assert ids[0] == ids[1] == (tmp_path / writers.WANDB_ID_FILE).read_text()
+  runs = sorted((tmp_path / "wandb").glob(f"offline-run-*-{ids[0]}"))
+  assert len(runs) == 2, list((tmp_path / "wandb").iterdir())
+  logged = b"".join(p.read_bytes() for run in runs for p in run.glob("*.wandb"))
+  assert b"train/loss" in logged and b"learning_rate" in logged
+  assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text()
+          .splitlines()] == [2, 4]
+
+
+def test_unknown_writers_are_refused_naming_the_accepted_ones(tmp_path):
+  with pytest.raises(ValueError, match=r"config.writers=\('jsonl', 'mlflow'\) names "
+                                       r"\['mlflow'\]; the writers are \('tensorboard', "
+                                       r"'jsonl', 'wandb'\)"):
+    writers.create_writer(str(tmp_path), ("jsonl", "mlflow"))
+  assert not list(tmp_path.iterdir())

@@ -1,11 +1,13 @@
 """How fast a run uses its hardware: FLOPs per train step, device peaks, MFU.
 
-The FLOPs of a step are XLA's count for the train step program
-(`Lowered.cost_analysis()`, before optimisation, so a rematerialised model's
-recomputation counts), scaled from the strategy's program to the whole step
-of all models: a jit program is the global step; a pmap or shard_map program
-is one device's part (`Strategy.program_is_per_device`). Per device is that
-over the device count.
+The FLOPs of a step are its matrix products' (`dot_general` and convolutions,
+2 per multiply-add: the convention of MFU figures), counted in the jaxpr of
+the strategy's compiled step: a `scan` body times its length (XLA's own cost
+analysis counts a loop body once, so a model of scanned layers would show
+one layer), a `shard_map` or pmap body times its devices, a rematerialised
+block's recomputation included. That is the step of all models on all
+devices; per device is that over the device count. A `while` loop's body
+counts once (its trip count is not known).
 
 MFU is the achieved FLOP/s per device over the device's peak for the
 compute dtype (`PEAK_TFLOPS`: dense peaks from the vendors' data sheets; on
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -83,33 +86,78 @@ def measured_peak(size: int = 1024, repeats: int = 5) -> float:
   return peak
 
 
+def _dot_flops(eqn) -> float:
+  lhs, rhs = (v.aval.shape for v in eqn.invars[:2])
+  (_, rhs_contract), (_, rhs_batch) = eqn.params["dimension_numbers"]
+  free = [d for i, d in enumerate(rhs) if i not in rhs_contract and i not in rhs_batch]
+  return 2.0 * math.prod(lhs) * math.prod(free)
+
+
+def _conv_flops(eqn) -> float:
+  out = eqn.outvars[0].aval.shape
+  rhs = eqn.invars[1].aval.shape
+  out_features = rhs[eqn.params["dimension_numbers"].rhs_spec[0]]
+  return 2.0 * math.prod(out) * math.prod(rhs) / out_features
+
+
+def _sub_jaxprs(eqn) -> list:
+  subs = []
+  for value in eqn.params.values():
+    for v in (value if isinstance(value, (list, tuple)) else (value,)):
+      if hasattr(v, "eqns"):
+        subs.append(v)
+      elif hasattr(v, "jaxpr") and hasattr(v.jaxpr, "eqns"):
+        subs.append(v.jaxpr)
+  return subs
+
+
+def jaxpr_flops(jaxpr) -> float:
+  """The matrix-product FLOPs of a jaxpr (see the module docstring)."""
+  total = 0.0
+  for eqn in jaxpr.eqns:
+    name = eqn.primitive.name
+    if name == "dot_general":
+      total += _dot_flops(eqn)
+    elif name == "conv_general_dilated":
+      total += _conv_flops(eqn)
+    elif name == "cond":
+      total += max((jaxpr_flops(b.jaxpr) for b in eqn.params["branches"]), default=0.0)
+    else:
+      inner = sum(jaxpr_flops(sub) for sub in _sub_jaxprs(eqn))
+      if name == "scan":
+        inner *= eqn.params["length"]
+      elif name == "shard_map":
+        inner *= math.prod(eqn.params["mesh"].shape.values())
+      elif name == "xla_pmap":
+        inner *= eqn.params["axis_size"]
+      total += inner
+  return total
+
+
 class StepFlops:
   """The FLOPs of one train step (all models, all devices), counted once on first use.
 
   Args:
-    lower: `() -> jax.stages.Lowered` of the strategy's one-step program.
-    per_device_program: the program is one device's part (pmap, shard_map).
+    step: the strategy's compiled one-step function.
+    args: abstract `(state, batch)` it is called with.
     num_devices: the devices the step runs on.
   """
 
-  def __init__(self, lower: Callable[[], Any], *, per_device_program: bool, num_devices: int):
-    self._lower, self.per_device_program = lower, per_device_program
-    self.num_devices = num_devices
+  def __init__(self, step: Callable, args: tuple, *, num_devices: int):
+    self._step, self._args, self.num_devices = step, args, num_devices
 
   @functools.cached_property
   def total(self) -> float | None:
     try:
-      analysis = self._lower().cost_analysis()
-    except Exception as e:  # A backend without cost analysis: no FLOPs, no MFU.
-      logging.warning("No FLOPs per step: the step's cost analysis failed (%s: %s)",
+      trace = getattr(self._step, "trace", None)  # A jitted function's (in its mesh).
+      jaxpr = (trace(*self._args).jaxpr if trace is not None
+               else jax.make_jaxpr(self._step)(*self._args))
+      flops = jaxpr_flops(jaxpr.jaxpr)
+    except Exception as e:  # Counting must never stop a run.
+      logging.warning("No FLOPs per step: tracing the step for them failed (%s: %s)",
                       type(e).__name__, e)
       return None
-    if isinstance(analysis, (list, tuple)):
-      analysis = analysis[0] if analysis else None
-    flops = (analysis or {}).get("flops")
-    if not flops or flops <= 0:
-      return None
-    return float(flops) * (self.num_devices if self.per_device_program else 1)
+    return flops or None
 
   @property
   def per_device(self) -> float | None:
@@ -117,6 +165,7 @@ class StepFlops:
 
   def describe(self) -> str:
     if self.total is None:
-      return "FLOPs per train step: unknown (no cost analysis)"
-    return (f"FLOPs per train step: {self.total / 1e9:.3f} GFLOP for all models, "
-            f"{self.per_device / 1e9:.3f} GFLOP per device ({self.num_devices} devices)")
+      return "FLOPs per train step: unknown"
+    return (f"FLOPs per train step (matrix products): {self.total / 1e9:.3f} GFLOP for all "
+            f"models, {self.per_device / 1e9:.3f} GFLOP per device ({self.num_devices} "
+            f"devices)")

@@ -513,8 +513,7 @@ class Trainer(abc.ABC):
     abstract = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
     self.step_flops = throughput.StepFlops(
-        lambda: self.compiled.train(state).lower(abstract, self.strategy.put_batch(batch)),
-        per_device_program=self.strategy.program_is_per_device,
+        self.compiled.train(state), (abstract, self.strategy.put_batch(batch)),
         num_devices=self.strategy.num_devices)
     if logging.getLogger().isEnabledFor(logging.INFO):  # The summary reads every shard.
       logging.info("Strategy %s\n  %s", summarize(self.strategy, state),

@@ -1,9 +1,11 @@
-"""Metric writers: TensorBoard and console through clu, plus a `metrics.jsonl` file."""
+"""Metric writers: TensorBoard and console through clu, a `metrics.jsonl` file, and
+Weights & Biases (optional: `pip install ".[wandb]"`), chosen by `config.writers`."""
 
 from __future__ import annotations
 
 import json
 import os
+import uuid
 from collections.abc import Mapping
 from typing import Any
 
@@ -62,15 +64,108 @@ class JsonlWriter(metric_writers.MetricWriter):
     pass
 
 
-def create_writer(workdir: str) -> metric_writers.MetricWriter:
-  """TensorBoard event files and `metrics.jsonl` in `workdir`, and the console.
+#: What `config.writers` may name.
+WRITERS = ("tensorboard", "jsonl", "wandb")
+#: The file in a workdir that keeps the W&B run id, so a restarted run logs to the same run.
+WANDB_ID_FILE = "wandb_run_id"
 
-  Only process 0 writes files; other processes log to the console.
+
+class WandbWriter(metric_writers.MetricWriter):
+  """Logs scalars and hyperparameters to a Weights & Biases run.
+
+  The run id is kept in `<workdir>/wandb_run_id`: a run that restarts (the
+  launcher's `--max_restarts`, a requeued job) resumes the same W&B run
+  (`resume="allow"`). Steps a restart redoes are logged again; W&B keeps the
+  first value of a step it has seen.
   """
+
+  def __init__(self, workdir: str, *, project: str, entity: str = "", mode: str = "",
+               name: str = ""):
+    import wandb
+    id_file = os.path.join(workdir, WANDB_ID_FILE)
+    if os.path.exists(id_file):
+      with open(id_file) as f:
+        run_id = f.read().strip()
+    else:
+      run_id = uuid.uuid4().hex[:12]
+      with open(id_file, "w") as f:
+        f.write(run_id)
+    self.run = wandb.init(project=project, entity=entity or None, mode=mode or None,
+                          name=name or os.path.basename(os.path.abspath(workdir)),
+                          id=run_id, resume="allow", dir=workdir, reinit="finish_previous")
+
+  def write_scalars(self, step: int, scalars: Mapping[str, Any]):
+    self.run.log({k: float(v) for k, v in scalars.items()}, step=int(step))
+
+  def write_hparams(self, hparams: Mapping[str, Any]):
+    self.run.config.update(dict(hparams), allow_val_change=True)
+
+  def flush(self):
+    pass
+
+  def close(self):
+    self.run.finish()
+
+  def write_summaries(self, step, values, metadata=None):
+    pass
+
+  def write_images(self, step, images):
+    pass
+
+  def write_videos(self, step, videos):
+    pass
+
+  def write_audios(self, step, audios, *, sample_rate):
+    pass
+
+  def write_texts(self, step, texts):
+    pass
+
+  def write_histograms(self, step, arrays, num_buckets=None):
+    pass
+
+
+def check_writers(kinds) -> tuple[str, ...]:
+  """`config.writers`, checked (before any compute).
+
+  Raises:
+    ValueError: an unknown writer, or 'wandb' without the wandb package.
+  """
+  kinds = tuple(kinds)
+  unknown = [k for k in kinds if k not in WRITERS]
+  if unknown:
+    raise ValueError(f"config.writers={kinds!r} names {unknown}; the writers are {WRITERS}.")
+  if "wandb" in kinds:
+    try:
+      import wandb  # noqa: F401
+    except ImportError as e:
+      raise ValueError(f"config.writers={kinds!r} asks for W&B, but the wandb package is not "
+                       f"installed: pip install -e '.[wandb]'.") from e
+  return kinds
+
+
+def create_writer(workdir: str, kinds=("tensorboard", "jsonl"),
+                  config: Any = None) -> metric_writers.MetricWriter:
+  """The console plus the `kinds` (`config.writers`) in `workdir`: TensorBoard event files,
+  `metrics.jsonl`, a W&B run (`config.wandb.project`, `.entity`, `.mode`).
+
+  Only process 0 writes files and W&B; other processes log to the console.
+
+  Raises:
+    ValueError: `check_writers` refuses `kinds`.
+  """
+  kinds = check_writers(kinds)
   if jax.process_index() > 0:
     return metric_writers.create_default_writer(just_logging=True)
   os.makedirs(workdir, exist_ok=True)
-  return metric_writers.MultiWriter([
-      metric_writers.create_default_writer(workdir, asynchronous=False),
-      JsonlWriter(os.path.join(workdir, JSONL_NAME)),
-  ])
+  writers: list[metric_writers.MetricWriter] = [
+      metric_writers.create_default_writer(
+          workdir if "tensorboard" in kinds else None, just_logging="tensorboard" not in kinds,
+          asynchronous=False)]
+  if "jsonl" in kinds:
+    writers.append(JsonlWriter(os.path.join(workdir, JSONL_NAME)))
+  if "wandb" in kinds:
+    w = config.wandb if config is not None else None
+    writers.append(WandbWriter(workdir, project=w.project if w else "flax-trainer",
+                               entity=w.entity if w else "", mode=w.mode if w else ""))
+  return metric_writers.MultiWriter(writers)
