@@ -30,8 +30,8 @@ class LanguageModelTrainer(Trainer):
     per_token = optax.softmax_cross_entropy_with_integer_labels(logits, batch[self.target_key])
     return per_token.mean(axis=-1)
 
-  def tokens_per_step(self) -> int:
-    return self.config.batch_size * self.config.seq_len
+  def tokens_per_example(self, batch: Batch) -> int:
+    return int(np.prod(np.shape(batch[self.target_key])[1:]))
 
 
 def synthetic_token_batches(seed: int, batch_size: int, length: int, vocab_size: int,

@@ -178,7 +178,8 @@ class Trainer(abc.ABC):
       if not isinstance(value, (int, float)) or value < 0:
         raise ValueError(f"config.{field}={value!r} must be a number of seconds >= 0 "
                          f"(0: {zero}).")
-    self.step_flops: throughput.StepFlops | None = None
+    self.step_flops: throughput.StepFlops | None = None  # Set by `fit`, with:
+    self.tokens_per_step: int | None = None
     steps_loop = config.steps_loop or default_steps_loop(jax.devices()[0].platform)
     if steps_loop not in STEP_LOOPS:
       raise ValueError(f"config.steps_loop={config.steps_loop!r} is not one of {STEP_LOOPS} "
@@ -263,8 +264,10 @@ class Trainer(abc.ABC):
     return parameter_labels(params, freeze=tuple(self.config.freeze),
                             groups=[dict(g) for g in self.config.param_groups])
 
-  def tokens_per_step(self) -> int | None:
-    """Tokens in one train batch, for `train/tokens_per_sec`; None: not a token model."""
+  def tokens_per_example(self, batch: Batch) -> int | None:
+    """Tokens in one example of `batch`, for `train/tokens_per_sec`; None: not a token
+    model (`LanguageModelTrainer` counts its targets)."""
+    del batch
     return None
 
   def learning_rate(self, step: int) -> float | None:
@@ -358,7 +361,7 @@ class Trainer(abc.ABC):
         flops=lambda: self.step_flops,
         peak_tflops=lambda: throughput.peak_tflops(jax.devices()[0],
                                                    config.mixed_precision.compute_dtype),
-        tokens_per_step=self.tokens_per_step()))
+        tokens_per_step=lambda: self.tokens_per_step))
     if eval_batches is not None:
       actions.append(actions_lib.Evaluate(writer, self.evaluate, eval_batches,
                                           every_steps=eval_every,
@@ -512,6 +515,8 @@ class Trainer(abc.ABC):
       state = self.init_state(batch)
     abstract = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+    tokens = self.tokens_per_example(batch)
+    self.tokens_per_step = tokens * self.config.batch_size if tokens else None
     self.step_flops = throughput.StepFlops(
         self.compiled.train(state), (abstract, self.strategy.put_batch(batch)),
         num_devices=self.strategy.num_devices)

@@ -102,7 +102,8 @@ class ReportMetrics(Action):
     flops: `() -> StepFlops` of the train step (`trainer.throughput`): with one,
       `train/tflops_per_device` is written.
     peak_tflops: `() -> the device's peak TFLOP/s, or None`: with a peak, `train/mfu`.
-    tokens_per_step: tokens in a batch (language models), for `train/tokens_per_sec`.
+    tokens_per_step: `() -> tokens in a batch, or None` (language models), for
+      `train/tokens_per_sec`.
 
   Time: `clock` (`trainer.loop.timing.LoopClock`) is the one the loop measures
   with; each write adds `train/time_<category>` (fractions of the wall time so
@@ -120,7 +121,7 @@ class ReportMetrics(Action):
                learning_rate: Callable[[int], float | None], batch_size: int,
                counts_skipped: bool = False, flops: Callable[[], Any] | None = None,
                peak_tflops: Callable[[], float | None] | None = None,
-               tokens_per_step: int | None = None):
+               tokens_per_step: Callable[[], int | None] | None = None):
     super().__init__(every_steps=every_steps)
     self.flops, self.peak_tflops, self.tokens_per_step = flops, peak_tflops, tokens_per_step
     self.clock = timing.LoopClock()
@@ -217,8 +218,9 @@ class ReportMetrics(Action):
   def _throughput(self, steps_per_sec: float) -> dict[str, float]:
     """`train/tokens_per_sec`, `train/tflops_per_device` and `train/mfu`, as far as known."""
     out = {}
-    if self.tokens_per_step:
-      out["train/tokens_per_sec"] = steps_per_sec * self.tokens_per_step
+    tokens = self.tokens_per_step() if self.tokens_per_step else None
+    if tokens:
+      out["train/tokens_per_sec"] = steps_per_sec * tokens
     flops = self.flops() if self.flops else None
     if flops is not None and flops.per_device is not None:
       achieved = flops.per_device * steps_per_sec / 1e12
