@@ -16,7 +16,6 @@ on CPU a measured float32 matmul).
 import argparse
 import os
 import sys
-import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -41,20 +40,6 @@ SIZES = {
                   "remat.policy": "dots_with_no_batch_dims_saveable",
                   "remat.modules": ("DecoderBlock",)},
 }
-
-
-def _matmul_tflops(size: int, dtype, repeats: int) -> float:
-  import jax
-  import jax.numpy as jnp
-  a = jnp.ones((size, size), dtype)
-  f = jax.jit(lambda x: x @ x)
-  f(a).block_until_ready()
-  best = float("inf")
-  for _ in range(repeats):
-    start = time.perf_counter()
-    f(a).block_until_ready()
-    best = min(best, time.perf_counter() - start)
-  return 2 * size**3 / best / 1e12
 
 
 def main():
@@ -107,8 +92,8 @@ def main():
     achieved = flops.total / best / 1e12
     peak = throughput.peak_tflops(device, dtype)
     width = args.matmul or (1024 if device.platform == "cpu" else 8192)
-    matmul = _matmul_tflops(width, jnp.float32 if dtype == "float32" else jnp.bfloat16,
-                            args.repeats)
+    matmul = throughput.matmul_tflops(
+        width, jnp.float32 if dtype == "float32" else jnp.bfloat16, args.repeats)
     params = sum(x.size for x in jax.tree.leaves(state.params))
     tokens = config.batch_size * config.seq_len
     mfu = f"{achieved / peak:6.1%}" if peak else f"{'-':>6}"

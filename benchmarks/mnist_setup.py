@@ -37,3 +37,32 @@ def timed_block(step, state, batch, steps: int):
       outputs.pop(0)
   jax.block_until_ready(outputs)
   return time.perf_counter() - start, state
+
+
+def compiled_run(trainer, batch) -> tuple[list, float]:
+  """`([compiled step, state, placed batch], XLA temp MiB)` of `trainer`'s train step, warmed
+  up; compiled once, so the program timed is the one asked for its memory."""
+  state = trainer.init_state(batch)
+  placed = trainer.strategy.put_batch(batch)
+  step = trainer.compiled_train_step(state).lower(state, placed).compile()
+  temp = getattr(step.memory_analysis(), "temp_size_in_bytes", float("nan")) / 2**20
+  _, state = timed_block(step, state, placed, 2)
+  return [step, state, placed], temp
+
+
+def rotating_rounds(runs: dict, baseline: str, *, rounds: int, block_seconds: float,
+                    min_steps: int) -> dict[str, list[float]]:
+  """Seconds per step of each run in `runs` (name -> `compiled_run`'s list, whose state is
+  carried on), over `rounds` rounds of equal step blocks, the order rotating each round;
+  a block is as many steps as `baseline` runs in `block_seconds` (at least `min_steps`)."""
+  names = list(runs)
+  start, n = time.perf_counter(), 0
+  while time.perf_counter() - start < block_seconds or n < min_steps:
+    _, runs[baseline][1] = timed_block(*runs[baseline], 1)
+    n += 1
+  times = {v: [] for v in names}
+  for r in range(rounds):
+    for name in names[r % len(names):] + names[:r % len(names)]:
+      seconds, runs[name][1] = timed_block(*runs[name], n)
+      times[name].append(seconds / n)
+  return times

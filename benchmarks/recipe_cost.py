@@ -22,7 +22,6 @@ import argparse
 import os
 import statistics
 import sys
-import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -92,7 +91,7 @@ def main():
   from trainer.distributed.devices import set_num_cpu_devices
   set_num_cpu_devices(args.devices)
   import jax
-  from mnist_setup import timed_block
+  from mnist_setup import compiled_run, rotating_rounds
 
   variants = ["plain"] + [v for v in args.variants.split(",") if v != "plain"]
   if set(variants) - set(VARIANTS):
@@ -112,25 +111,9 @@ def main():
     for variant in variants:
       config = base.copy_and_resolve_references()
       config.update_from_flattened_dict(VARIANTS[variant])
-      trainer = cls(config)
-      state = trainer.init_state(batch)
-      placed = trainer.strategy.put_batch(batch)
-      # One compile: the compiled program is both timed and asked for its memory.
-      step = trainer.compiled_train_step(state).lower(state, placed).compile()
-      temp[variant] = getattr(step.memory_analysis(), "temp_size_in_bytes",
-                              float("nan")) / 2**20
-      _, state = timed_block(step, state, placed, 2)  # Warms up.
-      runs[variant] = [step, state, placed]
-    start, n = time.perf_counter(), 0
-    while time.perf_counter() - start < args.block_seconds or n < 3:
-      _, runs["plain"][1] = timed_block(*runs["plain"], 1)
-      n += 1
-    steps = n
-    times = {v: [] for v in variants}
-    for r in range(args.rounds):
-      for variant in variants[r % len(variants):] + variants[:r % len(variants)]:
-        seconds, runs[variant][1] = timed_block(*runs[variant], steps)
-        times[variant].append(seconds / steps)
+      runs[variant], temp[variant] = compiled_run(cls(config), batch)
+    times = rotating_rounds(runs, "plain", rounds=args.rounds,
+                            block_seconds=args.block_seconds, min_steps=3)
     for variant in variants:
       ratios = [t / p for t, p in zip(times[variant], times["plain"], strict=True)]
       q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3

@@ -17,7 +17,6 @@ import argparse
 import os
 import statistics
 import sys
-import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -58,7 +57,7 @@ def main():
                       help="which of the variants; 'none' always runs")
   args = parser.parse_args()
   import jax
-  from mnist_setup import timed_block
+  from mnist_setup import compiled_run, rotating_rounds
 
   from configs import lm
   from trainer import LanguageModelTrainer
@@ -86,23 +85,9 @@ def main():
   for variant in variants:
     config = base.copy_and_resolve_references()
     config.update_from_flattened_dict(VARIANTS[variant])
-    trainer = LanguageModelTrainer(config)
-    state = trainer.init_state(batch)
-    placed = trainer.strategy.put_batch(batch)
-    step = trainer.compiled_train_step(state).lower(state, placed).compile()
-    temp[variant] = getattr(step.memory_analysis(), "temp_size_in_bytes",
-                            float("nan")) / 2**20
-    _, state = timed_block(step, state, placed, 2)  # Warms up.
-    runs[variant] = [step, state, placed]
-  start, n = time.perf_counter(), 0
-  while time.perf_counter() - start < args.block_seconds or n < 2:
-    _, runs["none"][1] = timed_block(*runs["none"], 1)
-    n += 1
-  times = {v: [] for v in variants}
-  for r in range(args.rounds):
-    for variant in variants[r % len(variants):] + variants[:r % len(variants)]:
-      seconds, runs[variant][1] = timed_block(*runs[variant], n)
-      times[variant].append(seconds / n)
+    runs[variant], temp[variant] = compiled_run(LanguageModelTrainer(config), batch)
+  times = rotating_rounds(runs, "none", rounds=args.rounds, block_seconds=args.block_seconds,
+                          min_steps=2)
   for variant in variants:
     ratios = [t / p for t, p in zip(times[variant], times["none"], strict=True)]
     q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3

@@ -68,11 +68,11 @@ def peak_tflops(device: Any, compute_dtype: str) -> float | None:
   return None
 
 
-@functools.cache
-def measured_peak(size: int = 1024, repeats: int = 5) -> float:
-  """TFLOP/s of a `size`-square float32 matmul on the first device (best of `repeats`)."""
-  device = jax.local_devices()[0]
-  a = jax.device_put(jnp.ones((size, size), jnp.float32), device)
+def matmul_tflops(size: int, dtype: Any = jnp.float32, repeats: int = 5,
+                  device: Any = None) -> float:
+  """TFLOP/s of a `size`-square matmul in `dtype` on `device` (the first local one): the
+  best of `repeats` timed calls after a warm-up."""
+  a = jax.device_put(jnp.ones((size, size), dtype), device or jax.local_devices()[0])
   matmul = jax.jit(lambda x: x @ x)
   matmul(a).block_until_ready()
   best = float("inf")
@@ -80,7 +80,13 @@ def measured_peak(size: int = 1024, repeats: int = 5) -> float:
     start = time.perf_counter()
     matmul(a).block_until_ready()
     best = min(best, time.perf_counter() - start)
-  peak = 2 * size**3 / best / 1e12
+  return 2 * size**3 / best / 1e12
+
+
+@functools.cache
+def measured_peak(size: int = 1024) -> float:
+  """The CPU's peak: `matmul_tflops` of a `size`-square float32 matmul, measured once."""
+  peak = matmul_tflops(size)
   logging.info("CPU peak measured with a %d-square float32 matmul: %.3f TFLOP/s per device",
                size, peak)
   return peak

@@ -15,7 +15,32 @@ from clu import metric_writers
 JSONL_NAME = "metrics.jsonl"
 
 
-class JsonlWriter(metric_writers.MetricWriter):
+class ScalarWriter(metric_writers.MetricWriter):
+  """A writer of scalars (and hyperparameters) only: every other kind is dropped."""
+
+  def write_summaries(self, step, values, metadata=None):
+    pass
+
+  def write_images(self, step, images):
+    pass
+
+  def write_videos(self, step, videos):
+    pass
+
+  def write_audios(self, step, audios, *, sample_rate):
+    pass
+
+  def write_texts(self, step, texts):
+    pass
+
+  def write_histograms(self, step, arrays, num_buckets=None):
+    pass
+
+  def write_hparams(self, hparams):
+    pass
+
+
+class JsonlWriter(ScalarWriter):
   """Appends one JSON object per `write_scalars` call: `step`, `split`, and the scalars.
 
   Keys of the form `split/name` (as the Trainer writes them) give the split;
@@ -41,28 +66,6 @@ class JsonlWriter(metric_writers.MetricWriter):
   def close(self):
     self._file.close()
 
-  # Only scalars go to the JSONL file.
-  def write_summaries(self, step, values, metadata=None):
-    pass
-
-  def write_images(self, step, images):
-    pass
-
-  def write_videos(self, step, videos):
-    pass
-
-  def write_audios(self, step, audios, *, sample_rate):
-    pass
-
-  def write_texts(self, step, texts):
-    pass
-
-  def write_histograms(self, step, arrays, num_buckets=None):
-    pass
-
-  def write_hparams(self, hparams):
-    pass
-
 
 #: What `config.writers` may name.
 WRITERS = ("tensorboard", "jsonl", "wandb")
@@ -70,7 +73,7 @@ WRITERS = ("tensorboard", "jsonl", "wandb")
 WANDB_ID_FILE = "wandb_run_id"
 
 
-class WandbWriter(metric_writers.MetricWriter):
+class WandbWriter(ScalarWriter):
   """Logs scalars and hyperparameters to a Weights & Biases run.
 
   The run id is kept in `<workdir>/wandb_run_id`: a run that restarts (the
@@ -105,24 +108,6 @@ class WandbWriter(metric_writers.MetricWriter):
 
   def close(self):
     self.run.finish()
-
-  def write_summaries(self, step, values, metadata=None):
-    pass
-
-  def write_images(self, step, images):
-    pass
-
-  def write_videos(self, step, videos):
-    pass
-
-  def write_audios(self, step, audios, *, sample_rate):
-    pass
-
-  def write_texts(self, step, texts):
-    pass
-
-  def write_histograms(self, step, arrays, num_buckets=None):
-    pass
 
 
 def check_writers(kinds) -> tuple[str, ...]:
