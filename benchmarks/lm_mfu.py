@@ -80,7 +80,8 @@ def main():
     placed = trainer.strategy.put_batch(batch)
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
                                                            sharding=x.sharding), state)
-    flops = throughput.StepFlops(trainer.compiled.train(state), (abstract, placed),
+    flops = throughput.StepFlops(trainer.compiled.train(state),
+                                 lambda args=(abstract, placed): args,
                                  num_devices=1)
     step = trainer.compiled_train_step(state)
     _, state = timed_block(step, state, placed, 2)  # Compiles and warms up.

@@ -11,9 +11,14 @@ import numpy as np
 PyTree = Any
 
 
+def key_name(key: Any) -> str:
+  """The name of one entry of a jax key path (a dict key, an attribute, an index)."""
+  return str(getattr(key, "key", getattr(key, "name", getattr(key, "idx", key))))
+
+
 def keypath_str(path: tuple, *, drop_box: bool = False) -> str:
   """`params/layers/W1` for a jax key path; `drop_box` leaves out Flax's `value` box field."""
-  names = [str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path]
+  names = [key_name(k) for k in path]
   if drop_box and names and names[-1] == "value" and isinstance(path[-1],
                                                                 jax.tree_util.GetAttrKey):
     names = names[:-1]

@@ -97,6 +97,10 @@ def test_a_groups_learning_rate_multiplier_scales_exactly_its_updates():
     ({"param_groups": ({"pattern": "Conv_.*", "lr": 0.1},)},
      r"config.param_groups\[0\]=.* must have a 'pattern' and may have 'lr_scale' and "
      r"'weight_decay' \(got \['lr'\] besides\)"),
+    ({"param_groups": ({"pattern": "Conv_.*", "lr": 0.1},), "strategy.name": "sharded_ensemble",
+      "ensemble_size": 0, "sweep.grid.learning_rate": (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8)},
+     r"config.param_groups\[0\]=.* must have a 'pattern' and may have 'lr_scale' and "
+     r"'weight_decay' \(got \['lr'\] besides\)"),
 ])
 def test_groups_that_cannot_work_are_refused_before_training(overrides, message):
   with pytest.raises(ValueError, match=message):

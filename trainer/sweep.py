@@ -30,7 +30,13 @@ import ml_collections
 import numpy as np
 import optax
 
-from trainer.step.optim import DEFAULT, FROZEN, OPTIMIZERS, SCHEDULES, default_decay_mask
+from trainer.step.optim import (
+  OPTIMIZERS,
+  SCHEDULES,
+  by_labels,
+  default_decay_mask,
+  param_groups,
+)
 
 PyTree = Any
 
@@ -212,7 +218,7 @@ def swept_optimizer(config: ml_collections.ConfigDict, sweep: Sweep,
   decays = bool(sweep.column("weight_decay").max() > 0)
   momentum = bool(sweep.column("momentum").max() > 0)
   end_factor = config.schedule.end_factor
-  groups = [dict(g) for g in config.param_groups] if labels is not None else []
+  groups = param_groups(config) if labels is not None else []
 
   def chain(learning_rate, warmup_steps, weight_decay, momentum_value, b1, grad_clip_norm):
     def rate(count, scale=1.0):
@@ -234,18 +240,15 @@ def swept_optimizer(config: ml_collections.ConfigDict, sweep: Sweep,
     clip = optax.clip_by_global_norm(jnp.where(grad_clip_norm > 0, grad_clip_norm, jnp.inf))
     if labels is None:
       return chained(([clip] if clips else []) + optimizer(rate, weight_decay, decays))
-    transforms = {FROZEN: optax.set_to_zero(),
-                  DEFAULT: chained(optimizer(rate, weight_decay, decays))}
-    for i, g in enumerate(groups):
-      decay, scale = g.get("weight_decay", weight_decay), g.get("lr_scale", 1.0)
-      transforms[f"group{i}"] = chained(optimizer(
-          lambda count, scale=scale: rate(count, scale), decay,
-          decays or bool(g.get("weight_decay", 0))))
-    grouped = optax.multi_transform(transforms, labels)
-    if not clips:
-      return grouped
-    return optax.chain(optax.masked(clip, lambda params: jax.tree.map(
-        lambda label: label != FROZEN, labels(params))), grouped)
+
+    def make(scale, decay):
+      if scale is None:
+        return chained(optimizer(rate, weight_decay, decays))
+      return chained(optimizer(lambda count: rate(count, scale),
+                               weight_decay if decay is None else decay,
+                               decays or bool(decay)))
+
+    return by_labels(make, groups, labels, clip=clip if clips else None)
 
   base = sweep.members[0]
   return optax.inject_hyperparams(chain)(

@@ -145,19 +145,21 @@ class StepFlops:
 
   Args:
     step: the strategy's compiled one-step function.
-    args: abstract `(state, batch)` it is called with.
+    args: `() -> (state, batch)` it is called with (abstract or placed), made only
+      when the FLOPs are first asked for.
     num_devices: the devices the step runs on.
   """
 
-  def __init__(self, step: Callable, args: tuple, *, num_devices: int):
+  def __init__(self, step: Callable, args: Callable[[], tuple], *, num_devices: int):
     self._step, self._args, self.num_devices = step, args, num_devices
 
   @functools.cached_property
   def total(self) -> float | None:
     try:
+      args = self._args()
       trace = getattr(self._step, "trace", None)  # A jitted function's (in its mesh).
-      jaxpr = (trace(*self._args).jaxpr if trace is not None
-               else jax.make_jaxpr(self._step)(*self._args))
+      jaxpr = (trace(*args).jaxpr if trace is not None
+               else jax.make_jaxpr(self._step)(*args))
       flops = jaxpr_flops(jaxpr.jaxpr)
     except Exception as e:  # Counting must never stop a run.
       logging.warning("No FLOPs per step: tracing the step for them failed (%s: %s)",

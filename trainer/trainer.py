@@ -517,8 +517,8 @@ class Trainer(abc.ABC):
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
     tokens = self.tokens_per_example(batch)
     self.tokens_per_step = tokens * self.config.batch_size if tokens else None
-    self.step_flops = throughput.StepFlops(
-        self.compiled.train(state), (abstract, self.strategy.put_batch(batch)),
+    self.step_flops = throughput.StepFlops(  # Counted when first logged.
+        self.compiled.train(state), lambda: (abstract, self.strategy.put_batch(batch)),
         num_devices=self.strategy.num_devices)
     if logging.getLogger().isEnabledFor(logging.INFO):  # The summary reads every shard.
       logging.info("Strategy %s\n  %s", summarize(self.strategy, state),

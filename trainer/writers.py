@@ -137,9 +137,11 @@ def create_writer(workdir: str, kinds=("tensorboard", "jsonl"),
   Only process 0 writes files and W&B; other processes log to the console.
 
   Raises:
-    ValueError: `check_writers` refuses `kinds`.
+    ValueError: `check_writers` refuses `kinds`, or W&B is asked for without a `config`.
   """
   kinds = check_writers(kinds)
+  if "wandb" in kinds and config is None:
+    raise ValueError("create_writer: the 'wandb' writer reads config.wandb; pass config=.")
   if jax.process_index() > 0:
     return metric_writers.create_default_writer(just_logging=True)
   os.makedirs(workdir, exist_ok=True)
@@ -150,7 +152,6 @@ def create_writer(workdir: str, kinds=("tensorboard", "jsonl"),
   if "jsonl" in kinds:
     writers.append(JsonlWriter(os.path.join(workdir, JSONL_NAME)))
   if "wandb" in kinds:
-    w = config.wandb if config is not None else None
-    writers.append(WandbWriter(workdir, project=w.project if w else "flax-trainer",
-                               entity=w.entity if w else "", mode=w.mode if w else ""))
+    writers.append(WandbWriter(workdir, project=config.wandb.project,
+                               entity=config.wandb.entity, mode=config.wandb.mode))
   return metric_writers.MultiWriter(writers)

@@ -42,6 +42,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 from flax import serialization
 
+from strategies.tree import key_name, keypath_str
 from trainer.checkpoint.store import LAYOUT_ITEM, STATE_ITEM, Checkpointer, CheckpointError
 
 PyTree = Any
@@ -51,17 +52,12 @@ Flat = dict[str, dict[str, Any]]
 IDENTITY = ((".*", r"\g<0>"),)
 
 
-def _key(k: Any) -> str:
-  return str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))))
-
-
 def _name(path: tuple) -> str:
-  """A leaf's `/`-joined path; Flax's logical-axis box field (`value`, a dict key once
-  saved) is left out, so boxed and plain trees name a parameter alike."""
-  keys = [_key(k) for k in path]
-  if len(keys) > 1 and keys[-1] == "value":
-    keys = keys[:-1]
-  return "/".join(keys)
+  """A leaf's `/`-joined path (`keypath_str`); Flax's logical-axis box field is left out
+  also where saving made it a dict key (`.../value`), so boxed and plain trees name a
+  parameter alike."""
+  name = keypath_str(path)
+  return name.removesuffix("/value")
 
 
 def _flatten(tree: PyTree) -> dict[str, Any]:
@@ -147,7 +143,7 @@ def _orbax_source(directory: str, description: str, num_members: int, *,
     raise CheckpointError(f"config.init_from.path: {description} is not a readable orbax "
                           f"checkpoint ({type(e).__name__}: {e}).") from e
   where = _collections(tree, linen=linen)
-  keys = {name: {_name(p): prefix + tuple(_key(k) for k in p)
+  keys = {name: {_name(p): prefix + tuple(key_name(k) for k in p)
                  for p, _ in jax.tree_util.tree_leaves_with_path(_at(tree, prefix))}
           for name, prefix in where.items()}
 

@@ -214,7 +214,6 @@ class ReportMetrics(Action):
     self._tick, self._eval_seconds = time.perf_counter(), view.eval_seconds
     self._last_step = view.step
 
-
   def _throughput(self, steps_per_sec: float) -> dict[str, float]:
     """`train/tokens_per_sec`, `train/tflops_per_device` and `train/mfu`, as far as known."""
     out = {}

@@ -76,20 +76,18 @@ class LoopClock:
 
   @contextlib.contextmanager
   def measure(self, category: str):
-    """Counts the time inside to `category` (less any nested measurement's time). The
-    category may be changed before the block ends: `with clock.measure('train') as m:
-    ...; m[0] = 'compile'`."""
+    """Counts the time inside to `category`, less any nested measurement's time."""
     entry = [category, 0.0]
     self._stack.append(entry)
     if self.watchdog:
       self.watchdog.enter(category)
     start = time.perf_counter()
     try:
-      yield entry
+      yield
     finally:
       elapsed = time.perf_counter() - start
       self._stack.pop()
-      self.seconds[entry[0]] += elapsed - entry[1]
+      self.seconds[category] += elapsed - entry[1]
       if self._stack:
         self._stack[-1][1] += elapsed
       if self.watchdog:

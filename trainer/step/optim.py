@@ -171,6 +171,40 @@ def parameter_labels(params: PyTree, *, freeze: Sequence[str],
       lambda p, _: (paths[keypath_str(p, drop_box=True)] or (None, None, DEFAULT))[2], params)
 
 
+def param_groups(config: ml_collections.ConfigDict) -> list[dict[str, Any]]:
+  """`config.param_groups` as dicts, checked.
+
+  Raises:
+    ValueError: a group without a `pattern`, or with other keys than
+      `pattern`, `lr_scale`, `weight_decay`.
+  """
+  groups = [dict(g) for g in config.param_groups]
+  for i, g in enumerate(groups):
+    unknown = set(g) - {"pattern", "lr_scale", "weight_decay"}
+    if "pattern" not in g or unknown:
+      raise ValueError(f"config.param_groups[{i}]={g!r} must have a 'pattern' and may have "
+                       f"'lr_scale' and 'weight_decay' (got {sorted(unknown)} besides).")
+  return groups
+
+
+def by_labels(make: Callable[[float | None, float | None], optax.GradientTransformation],
+              groups: Sequence[Mapping[str, Any]], labels: Callable[[PyTree], PyTree], *,
+              clip: optax.GradientTransformation | None = None,
+              ) -> optax.GradientTransformation:
+  """One optimizer per label: zero updates and no state for `frozen` parameters,
+  `make(None, None)` for the `default` ones, `make(lr_scale, weight_decay or None)` for
+  group i; `clip` first, over the trainable parameters' gradients only."""
+  transforms = {FROZEN: optax.set_to_zero(), DEFAULT: make(None, None)}
+  for i, g in enumerate(groups):
+    transforms[f"group{i}"] = make(g.get("lr_scale", 1.0), g.get("weight_decay"))
+  grouped = optax.multi_transform(transforms, labels)
+  if clip is None:
+    return grouped
+  trainable = lambda params: jax.tree.map(lambda label: label != FROZEN,  # noqa: E731
+                                          labels(params))
+  return optax.chain(optax.masked(clip, trainable), grouped)
+
+
 def grouped_optimizer(config: ml_collections.ConfigDict, schedule: optax.Schedule, *,
                       decay_mask: Callable[[PyTree], PyTree] = default_decay_mask,
                       labels: Callable[[PyTree], PyTree] | None = None,
@@ -185,34 +219,21 @@ def grouped_optimizer(config: ml_collections.ConfigDict, schedule: optax.Schedul
   replaces the config's patterns (`parameter_labels`).
 
   Raises:
-    ValueError: a group without a `pattern`, or with other keys than
-      `pattern`, `lr_scale`, `weight_decay`.
+    ValueError: `param_groups` refuses a group.
   """
-  groups = [dict(g) for g in config.param_groups]
-  for i, g in enumerate(groups):
-    unknown = set(g) - {"pattern", "lr_scale", "weight_decay"}
-    if "pattern" not in g or unknown:
-      raise ValueError(f"config.param_groups[{i}]={g!r} must have a 'pattern' and may have "
-                       f"'lr_scale' and 'weight_decay' (got {sorted(unknown)} besides).")
+  groups = param_groups(config)
   freeze = tuple(config.freeze)
   if labels is None:
     def labels(params):
       return parameter_labels(params, freeze=freeze, groups=groups)
 
-  transforms = {FROZEN: optax.set_to_zero(),
-                DEFAULT: create_optimizer(config, schedule, decay_mask=decay_mask, clip=False)}
-  for i, g in enumerate(groups):
+  def make(scale, decay):
+    if scale is None:
+      return create_optimizer(config, schedule, decay_mask=decay_mask, clip=False)
     group_config = ml_collections.ConfigDict(config.to_dict())
-    group_config.weight_decay = g.get("weight_decay", config.weight_decay)
-    scale = g.get("lr_scale", 1.0)
-    transforms[f"group{i}"] = create_optimizer(
-        group_config, lambda step, scale=scale: scale * schedule(step),
-        decay_mask=decay_mask, clip=False)
-  grouped = optax.multi_transform(transforms, labels)
-  if not config.grad_clip_norm:
-    return grouped
-  trainable = lambda params: jax.tree.map(lambda label: label != FROZEN,  # noqa: E731
-                                          labels(params))
-  return optax.chain(optax.masked(optax.clip_by_global_norm(config.grad_clip_norm), trainable),
-                     grouped)
+    group_config.weight_decay = config.weight_decay if decay is None else decay
+    return create_optimizer(group_config, lambda step: scale * schedule(step),
+                            decay_mask=decay_mask, clip=False)
 
+  clip = optax.clip_by_global_norm(config.grad_clip_norm) if config.grad_clip_norm else None
+  return by_labels(make, groups, labels, clip=clip)
