@@ -73,7 +73,7 @@ def main():
       batch = random_batches(args.batch, num=1)[0]
       state = trainer.init_state(batch)
       placed = trainer.strategy.put_batch(batch)
-      runs[label] = [trainer.compiled_train_step(state), state, placed]
+      runs[label] = [trainer.compiled.train(state), state, placed]
     steps, runs["bound"][1] = _steps_per_block(*runs["bound"], args.block_seconds)
     ratios, times = [], {"bound": [], "direct": []}
     for pair in range(args.pairs):

@@ -83,7 +83,7 @@ def main():
     flops = throughput.StepFlops(trainer.compiled.train(state),
                                  lambda args=(abstract, placed): args,
                                  num_devices=1)
-    step = trainer.compiled_train_step(state)
+    step = trainer.compiled.train(state)
     _, state = timed_block(step, state, placed, 2)  # Compiles and warms up.
     best = float("inf")
     for _ in range(args.repeats):

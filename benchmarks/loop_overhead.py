@@ -43,12 +43,13 @@ def measure(trainer, batches, block_seconds: float, pairs: int) -> dict[str, lis
 
   from trainer import writers
   from trainer.evaluation import wait_for_previous_call
+  from trainer.run.start import step_of
 
   def stream(start):
     return itertools.islice(itertools.cycle(batches), start % len(batches), None)
 
   state = trainer.init_state(batches[0])
-  step_fn = trainer.compiled_train_step(state)
+  step_fn = trainer.compiled.train(state)
   put = trainer.strategy.put_batch
 
   def bare(state, steps):
@@ -64,7 +65,7 @@ def measure(trainer, batches, block_seconds: float, pairs: int) -> dict[str, lis
     writer = writers.create_writer(workdir)  # Real TensorBoard and metrics.jsonl files.
 
     def fit(state, steps):
-      start = trainer.step_of(state)
+      start = step_of(state, trainer.strategy)
       return jax.block_until_ready(
           trainer.fit(stream, num_steps=start + steps, state=state, writer=writer).state)
 

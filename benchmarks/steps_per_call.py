@@ -73,14 +73,16 @@ def device_split(seed: int = 0):
 def fit_seconds(trainer, data, steps: int, repeats: int, writer) -> tuple[float, float]:
   """`(best seconds for `steps` steps, seconds of the warm-up call that compiled)`."""
   import jax
-  k = trainer.steps_per_call
+
+  from trainer.run.start import step_of
+  k = trainer.runner.options.steps_per_call
   tick = time.perf_counter()
   state = jax.block_until_ready(
       trainer.fit(data, num_steps=2 * k, writer=writer).state)  # Compiles.
   warm = time.perf_counter() - tick
   best = float("inf")
   for _ in range(repeats):
-    start = trainer.step_of(state)
+    start = step_of(state, trainer.strategy)
     tick = time.perf_counter()
     state = jax.block_until_ready(
         trainer.fit(data, num_steps=start + steps, state=state, writer=writer).state)

@@ -29,6 +29,7 @@ import numpy as np  # noqa: E402
 
 from trainer.checkpoint import Checkpointer  # noqa: E402
 from trainer.loop.actions import PeriodicCallback  # noqa: E402
+from trainer.run.start import step_of  # noqa: E402
 
 DIM = 8
 
@@ -101,7 +102,7 @@ def main():
   state = result.state
   if result.stopped_by is None:
     np.savez(args.out, **flat(trainer.strategy.checkpoint_state(state)))
-    print(f"finished at step {trainer.step_of(state)}", flush=True)
+    print(f"finished at step {step_of(state, trainer.strategy)}", flush=True)
 
 
 if __name__ == "__main__":

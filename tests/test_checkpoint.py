@@ -18,7 +18,8 @@ import pytest
 from conftest import MLPTrainer, mlp_config, vector_batches
 from jax.sharding import PartitionSpec
 
-from trainer.checkpoint import Checkpointer, CheckpointError
+from strategies.single_device import SingleDevice
+from trainer.checkpoint import Checkpointer, CheckpointError, RunState, save_run
 from trainer.loop.driver import NonFiniteError
 
 HERE = pathlib.Path(__file__).resolve().parent
@@ -292,14 +293,14 @@ def test_a_save_that_cannot_be_written_raises_naming_the_step(tmp_path):
   (tmp_path / "ckpt").write_text("not a directory")  # Whatever writes there now fails.
   with pytest.raises(CheckpointError, match=r"saving checkpoint step 6 to .*ckpt failed: "
                                             r"NotADirectoryError"):
-    _trainer("single_device").save_checkpoint(ckpt, state, 6)
+    save_run(ckpt, SingleDevice(), RunState(state, 6))
 
 
 def test_a_failure_in_the_background_write_is_raised_at_the_next_save(tmp_path, monkeypatch):
   batches, ckpt = _saved_run(tmp_path)
   trainer = _trainer("single_device")
   state = trainer.restore_checkpoint(ckpt, batches[0])
-  trainer.save_checkpoint(ckpt, state, 6)  # Returns while orbax writes in the background.
+  save_run(ckpt, trainer.strategy, RunState(state, 6))  # Returns while orbax writes.
 
   def failed_write():  # What orbax raises when its background write of step 6 failed.
     raise OSError("No space left on device")
@@ -307,7 +308,7 @@ def test_a_failure_in_the_background_write_is_raised_at_the_next_save(tmp_path, 
   monkeypatch.setattr(ckpt._manager, "wait_until_finished", failed_write)
   with pytest.raises(CheckpointError, match=r"writing checkpoint step 6 to .*ckpt failed: "
                                             r"OSError: No space left"):
-    trainer.save_checkpoint(ckpt, state, 8)
+    save_run(ckpt, trainer.strategy, RunState(state, 8))
 
 
 @pytest.mark.parametrize("field,value,message", [
@@ -340,7 +341,7 @@ def test_pmap_ensemble_checkpoint_restores_under_sharded_ensemble_and_back(tmp_p
     np.testing.assert_array_equal(a, b)
   assert jax.tree.leaves(restored)[0].sharding.spec == PartitionSpec("ensemble")
   back = Checkpointer(tmp_path / "back", every_steps=2)
-  jit.save_checkpoint(back, restored, 2)
+  save_run(back, jit.strategy, RunState(restored, 2))
   back.wait()
   again = _trainer("pmap_ensemble", ensemble_size=8).restore_checkpoint(back, batches[0])
   for a, b in zip(jax.tree.leaves(saved), jax.tree.leaves(_canonical(pmap, again)), strict=True):

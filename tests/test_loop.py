@@ -95,7 +95,7 @@ def test_step_metrics_merge_on_the_host_without_a_jax_op(strategy):
   trainer = CNNTrainer(cnn_config(**{"strategy.name": strategy, "ensemble_size": 8}))
   batches = image_batches(5, 16)
   state = trainer.init_state(batches[0])
-  step = trainer.compiled_train_step(state)
+  step = trainer.compiled.train(state)
   outputs = []
   for batch in batches:
     state, out = step(state, trainer.strategy.put_batch(batch))

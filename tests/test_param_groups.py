@@ -14,6 +14,7 @@ from conftest import CNNTrainer, cnn_config, image_batches
 
 from strategies.single_device import SingleDevice
 from trainer.checkpoint import Checkpointer
+from trainer.sweep import export_member
 
 CONVS = ("Conv_.*",)
 
@@ -131,7 +132,9 @@ def test_a_sweep_with_frozen_parameters_and_groups_trains_each_members_single_ru
                                  err_msg=f"{trainer.sweep.label(i)} {path}")
       if "Dense_0" in path:
         np.testing.assert_array_equal(x, _by_path(initial.params)[path])
-  trainer.export_member(state, 3, str(tmp_path / "member3"))
+  export_member(state, 3, str(tmp_path / "member3"), sweep=trainer.sweep, config=config,
+                strategy=trainer.strategy, num_train_steps=trainer.num_train_steps,
+                labels=trainer.labels)
   restored = single.restore_checkpoint(Checkpointer(str(tmp_path / "member3")), batches[0])
   for path, x in _by_path(restored.params).items():
     np.testing.assert_array_equal(x, _by_path(swept.params)[path][3], err_msg=path)

@@ -164,7 +164,7 @@ def test_accumulation_keeps_the_batch_sharded_on_the_microbatch_axis(loop):
   for k in (1, 4):
     trainer = MLPTrainer(mlp_config(batch_size=32, grad_accum_steps=k, grad_accum_loop=loop,
                                     **SHARDED_8))
-    texts[k] = trainer.compiled_train_step_text(trainer.init_state(batch), batch)
+    texts[k] = trainer.compiled.train_text(trainer.init_state(batch), batch)
   assert _collectives(texts[4]) == _collectives(texts[1]) == ["all-reduce"]
 
 
@@ -206,7 +206,7 @@ def test_bfloat16_computes_in_bfloat16_and_trains_like_float32():
   bf16 = CNNTrainer(cnn_config(**{"mixed_precision.compute_dtype": "bfloat16"}))
   state = bf16.init_state(batches[0])
   initial = np.concatenate([x.ravel() for x in leaves(state.params)])
-  lowered = bf16.compiled_train_step(state).lower(state, bf16.strategy.put_batch(batches[0]))
+  lowered = bf16.compiled.train(state).lower(state, bf16.strategy.put_batch(batches[0]))
   ops = re.findall(r"stablehlo\.(?:convolution|dot_general).*", lowered.as_text())
   assert len(ops) >= 6  # Forward and backward convolutions and matmuls.
   assert all("bf16" in op and "xf32>" not in op.split("->")[-1] for op in ops), ops

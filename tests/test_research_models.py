@@ -23,7 +23,7 @@ from conftest import SHARDED_8, cnn_config, image_batches, leaves, mlp_config, v
 from jax.sharding import PartitionSpec
 
 from strategies import BATCH_AXIS, member_rng
-from trainer.checkpoint import Checkpointer
+from trainer.checkpoint import Checkpointer, RunState, save_run
 
 STEPS = 3
 
@@ -118,7 +118,7 @@ def test_eval_uses_running_statistics_and_they_survive_a_checkpoint_across_strat
                              whole[:3], rtol=1e-5, atol=1e-6)
   results = writer.evaluate(state, batches[-1:])
   ckpt = Checkpointer(tmp_path / "ckpt")
-  writer.save_checkpoint(ckpt, state, STEPS)
+  save_run(ckpt, writer.strategy, RunState(state, STEPS))
   ckpt.wait()
   for strategy in ({"strategy.name": "single_device"}, SHARDED_8):
     reader = um.ResNetTrainer(cnn_config(**strategy))

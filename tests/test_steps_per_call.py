@@ -26,6 +26,7 @@ from trainer.checkpoint import Checkpointer
 from trainer.loop.actions import Action
 from trainer.loop.chunks import ChunkPlan
 from trainer.loop.driver import NonFiniteError
+from trainer.run.start import step_of
 
 
 class Calls(Action):
@@ -90,7 +91,7 @@ def test_k_steps_a_call_equal_one_step_a_call(tmp_path, strategy, model):
   t4, four, rows4, calls = _fit(tmp_path, "k4", strategy, k=4, batches=batches, num_steps=10,
                                 trainer_cls=trainer_cls)
   assert calls == [(0, 4), (4, 8), (8, 10)]  # 10 is not a multiple of 4: ends at 10.
-  assert four.step == 10 and t4.step_of(four.state) == 10
+  assert four.step == 10 and step_of(four.state, t4.strategy) == 10
   for a, b in zip(_state(t1, one.state), _state(t4, four.state), strict=True):
     _assert_same(a, b, exact)
   assert sorted(rows4) == sorted(rows1) == list(range(1, 11))  # A loss for every step.

@@ -19,6 +19,7 @@ from strategies.sharded_ensemble import ShardedEnsemble
 from strategies.single_device import SingleDevice
 from trainer import writers
 from trainer.checkpoint import Checkpointer
+from trainer.run.start import step_of
 from trainer.sweep import Sweep
 
 
@@ -105,7 +106,7 @@ def test_results_by_label_the_best_member_and_its_export(tmp_path):
     member_config.strategy.name = name
     single = FlaxStyleTrainer(member_config)
     restored = single.restore_checkpoint(Checkpointer(workdir / "sweep_best"), batches[0])
-    assert single.step_of(restored) == 4
+    assert step_of(restored, single.strategy) == 4
     for a, b in zip(jax.tree.leaves(swept.params),
                     jax.tree.leaves(single.strategy.to_canonical(restored.params)), strict=True):
       np.testing.assert_array_equal(np.asarray(a)[best], b)

@@ -32,8 +32,7 @@ HERE = pathlib.Path(__file__).resolve().parent
 def _flops(overrides, trainer_cls=CNNTrainer, batch=None):
   trainer = trainer_cls(cnn_config(**overrides))
   batch = batch or image_batches(1, 16)[0]
-  trainer.fit([batch], num_steps=1)
-  return trainer.step_flops
+  return trainer.fit([batch], num_steps=1).step_flops
 
 
 class DenseOnly(nn.Module):
@@ -72,9 +71,9 @@ def test_a_scanned_models_flops_grow_with_its_layers():
   def lm_flops(layers):
     config = tiny_lm_config(**{"strategy.name": "single_device", "model.num_layers": layers})
     trainer = LanguageModelTrainer(config)
-    trainer.fit(list(itertools.islice(synthetic_token_batches(0, 16, 16, 32), 1)),
-                num_steps=1)
-    return trainer.step_flops.total
+    result = trainer.fit(list(itertools.islice(synthetic_token_batches(0, 16, 16, 32), 1)),
+                         num_steps=1)
+    return result.step_flops.total
 
   one, two, three = (lm_flops(n) for n in (1, 2, 3))
   assert three - two == pytest.approx(two - one, rel=1e-9) and two > one
@@ -84,13 +83,13 @@ def test_mfu_is_the_achieved_flops_over_the_devices_peak(tmp_path, monkeypatch):
   monkeypatch.setattr(throughput, "peak_tflops", lambda device, dtype: 0.5)
   trainer = CNNTrainer(cnn_config(log_every_steps=2))
   writer = writers.create_writer(str(tmp_path))
-  trainer.fit(image_batches(4, 16), num_steps=4, writer=writer)
+  result = trainer.fit(image_batches(4, 16), num_steps=4, writer=writer)
   writer.close()
   records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
   train = [r for r in records if r["split"] == "train"]
   assert [r["step"] for r in train] == [2, 4]
   for r in train:
-    achieved = trainer.step_flops.per_device * r["steps_per_sec"] / 1e12
+    achieved = result.step_flops.per_device * r["steps_per_sec"] / 1e12
     assert r["tflops_per_device"] == pytest.approx(achieved, rel=1e-6)
     assert r["mfu"] == pytest.approx(achieved / 0.5, rel=1e-6)
     times = [v for k, v in r.items() if k.startswith("time_")]

@@ -114,7 +114,7 @@ def _collectives(hlo):
 
 def test_data_parallel_step_all_reduces_gradients_and_gathers_nothing():
   trainer, state, batch = _state("data_parallel")
-  hlo = trainer.compiled_train_step_text(state, batch)
+  hlo = trainer.compiled.train_text(state, batch)
   found = _collectives(hlo)
   assert found["all-reduce"] > 0 and found["all-gather"] == 0, found
   # The all-reduce inside the scanned layers carries each layer's whole MLP
@@ -126,7 +126,7 @@ def test_data_parallel_step_all_reduces_gradients_and_gathers_nothing():
 
 def test_fsdp_step_gathers_parameters_and_reduce_scatters_gradients():
   trainer, state, batch = _state("fsdp")
-  hlo = trainer.compiled_train_step_text(state, batch)
+  hlo = trainer.compiled.train_text(state, batch)
   found = _collectives(hlo)
   assert found["all-gather"] > 0, found  # Parameters gathered for use.
   if jax.devices()[0].platform == "cpu":
@@ -140,13 +140,13 @@ def test_fsdp_step_gathers_parameters_and_reduce_scatters_gradients():
 def test_ensemble_train_step_has_no_collective_across_members():
   trainer = CNNTrainer(cnn_config(**{"strategy.name": "sharded_ensemble", "ensemble_size": 8}))
   batch = image_batches(1, 16)[0]
-  hlo = trainer.compiled_train_step_text(trainer.init_state(batch), batch)
+  hlo = trainer.compiled.train_text(trainer.init_state(batch), batch)
   assert not any(_collectives(hlo).values()), _collectives(hlo)
 
   # With data parallelism inside members, collectives stay within one member's devices.
   trainer = CNNTrainer(cnn_config(**{"strategy.name": "sharded_ensemble", "ensemble_size": 8,
                                      "strategy.ensemble_mesh_shape": (4, 2)}))
-  hlo = trainer.compiled_train_step_text(trainer.init_state(batch), batch)
+  hlo = trainer.compiled.train_text(trainer.init_state(batch), batch)
   members_devices = [{d.id for d in row} for row in trainer.strategy.mesh.devices]
   groups = re.findall(r"replica_groups=\{(\{[0-9,{}]*\})\}", hlo)
   assert groups

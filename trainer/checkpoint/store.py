@@ -96,6 +96,32 @@ def check_compatible(saved: Mapping, target: Mapping, *, step: int, directory: s
         f"the model being restored does not have; the checkpoint belongs to a different model.")
 
 
+def check_settings(*, every_steps: int, max_to_keep: int, best_mode: str,
+                   keep_best: int) -> None:
+  """Raises unless the `config.checkpoint` settings are usable (`Checkpointer`'s arguments).
+
+  Raises:
+    ValueError: naming the field, its value and what it accepts.
+  """
+  if not isinstance(every_steps, int) or every_steps < 0:
+    raise ValueError(f"config.checkpoint.every_steps={every_steps!r} must be an integer "
+                     f">= 0 (0: save only at the end of training and on SIGTERM).")
+  if not isinstance(max_to_keep, int) or max_to_keep < 1:
+    raise ValueError(f"config.checkpoint.max_to_keep={max_to_keep!r} must be an integer "
+                     f">= 1.")
+  if best_mode not in ("max", "min"):
+    raise ValueError(f"config.checkpoint.best_mode={best_mode!r} must be 'max' or 'min'.")
+  if not isinstance(keep_best, int) or keep_best < 1:
+    raise ValueError(f"config.checkpoint.keep_best={keep_best!r} must be an integer >= 1.")
+
+
+def check_config(config: ml_collections.ConfigDict) -> None:
+  """Raises unless `config.checkpoint` is usable (`check_settings`)."""
+  c = config.checkpoint
+  check_settings(every_steps=c.every_steps, max_to_keep=c.max_to_keep, best_mode=c.best_mode,
+                 keep_best=c.keep_best)
+
+
 class Checkpointer:
   """Saves and restores train states in a directory with an orbax `CheckpointManager`.
 
@@ -125,16 +151,8 @@ class Checkpointer:
       ValueError: `every_steps` is negative, `max_to_keep` or `keep_best` is
         below 1, or `best_mode` is neither 'max' nor 'min'.
     """
-    if not isinstance(every_steps, int) or every_steps < 0:
-      raise ValueError(f"config.checkpoint.every_steps={every_steps!r} must be an integer "
-                       f">= 0 (0: save only at the end of training and on SIGTERM).")
-    if not isinstance(max_to_keep, int) or max_to_keep < 1:
-      raise ValueError(f"config.checkpoint.max_to_keep={max_to_keep!r} must be an integer "
-                       f">= 1.")
-    if best_mode not in ("max", "min"):
-      raise ValueError(f"config.checkpoint.best_mode={best_mode!r} must be 'max' or 'min'.")
-    if not isinstance(keep_best, int) or keep_best < 1:
-      raise ValueError(f"config.checkpoint.keep_best={keep_best!r} must be an integer >= 1.")
+    check_settings(every_steps=every_steps, max_to_keep=max_to_keep, best_mode=best_mode,
+                   keep_best=keep_best)
     self.directory = os.path.abspath(os.fspath(directory))
     self.every_steps = every_steps
     self.best_metric, self.best_mode = best_metric, best_mode

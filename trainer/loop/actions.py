@@ -58,6 +58,9 @@ class StepView:
     data_state: the train data iterator's position after this step's batch.
     canonical: `tree -> host arrays` in the strategy-independent layout.
     action_states: `() -> {name: JSON state}` of the run's actions now.
+    flops: the train step's FLOPs (`trainer.throughput.StepFlops`, counted when
+      first asked), or None where the run did not count them.
+    tokens_per_step: tokens in one global batch (language models), else None.
   """
 
   step: int
@@ -76,6 +79,8 @@ class StepView:
   data_state: Any = None
   canonical: Callable[[PyTree], PyTree] = lambda tree: tree
   action_states: Callable[[], Mapping[str, Any]] = dict
+  flops: Any = None
+  tokens_per_step: int | None = None
 
   def run_state(self) -> RunState:
     """What a checkpoint of this step saves: state, data position, action states, eval."""
@@ -125,6 +130,8 @@ class FitResult:
     stopped_by: why the run ended before `num_steps` ('SIGTERM', 'early_stopping',
       or the reason an action gave), else None.
     best: `(step, value)` of the best evaluation by the early-stopping metric, if any.
+    step_flops: the train step's FLOPs (`trainer.throughput.StepFlops`: per model
+      and per device), as the run counted them for `train/mfu`.
   """
 
   state: Any
@@ -133,6 +140,7 @@ class FitResult:
   skipped_steps: int = 0
   stopped_by: str | None = None
   best: tuple[int, float] | None = None
+  step_flops: Any = None
 
   @property
   def final_eval(self) -> dict[str, float] | None:

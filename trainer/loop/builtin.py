@@ -1,8 +1,10 @@
-"""The built-in actions, in the order `Trainer.default_actions` gives them:
+"""The built-in actions, in the order `from_config` (and so `Trainer.default_actions`)
+gives them:
 
 1. `StopOnSignal` turns SIGTERM into a stop request at a step boundary.
 2. `ReportMetrics` writes train scalars every `log_every_steps`.
-3. `Evaluate` evaluates (each `Recipe.eval_variants`: the EMA parameters as `ema_*`).
+3. `Evaluate` evaluates (each `Recipe.eval_variants`: the EMA parameters as `ema_*`);
+   a sweep's report (`trainer.sweep.SweepReport`) comes right after it.
 4. `EarlyStopping` reads that evaluation and may request a stop.
 5. `Checkpoint` saves the run periodically, at each evaluation when it keeps
    the best checkpoints by a metric, and at the end (so a stopped run is saved).
@@ -18,17 +20,21 @@ import logging
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import jax
-import numpy as np
+import ml_collections
 from clu import metric_writers
 
+from strategies import Strategy
 from strategies.tree import split_steps
 from trainer import metrics as metrics_lib
+from trainer import throughput as throughput_lib
+from trainer.checkpoint import Checkpointer, save_run
 from trainer.loop import timing
 from trainer.loop.actions import Action, Produced, StepView, next_multiple
+from trainer.step.recipe import Recipe
 
 Batch = Mapping[str, Any]
 PyTree = Any
@@ -100,10 +106,10 @@ class ReportMetrics(Action):
     batch_size: examples per step, for examples/s.
     counts_skipped: whether to report `train/skipped_steps` (`nonfinite='skip'`).
     flops: `() -> StepFlops` of the train step (`trainer.throughput`): with one,
-      `train/tflops_per_device` is written.
+      `train/tflops_per_device` is written. Default: the run's (`StepView.flops`).
     peak_tflops: `() -> the device's peak TFLOP/s, or None`: with a peak, `train/mfu`.
     tokens_per_step: `() -> tokens in a batch, or None` (language models), for
-      `train/tokens_per_sec`.
+      `train/tokens_per_sec`. Default: the run's (`StepView.tokens_per_step`).
 
   Time: `clock` (`trainer.loop.timing.LoopClock`) is the one the loop measures
   with; each write adds `train/time_<category>` (fractions of the wall time so
@@ -188,7 +194,7 @@ class ReportMetrics(Action):
     steps_per_sec = (view.step - self._last_step) / max(seconds, 1e-9)
     examples_per_sec = steps_per_sec * self.batch_size
     eta = (view.num_steps - view.step) / max(steps_per_sec, 1e-9)
-    throughput = self._throughput(steps_per_sec)
+    throughput = self._throughput(view, steps_per_sec)
     fractions = self.clock.fractions()
     time_split = {f"train/time_{k}": v for k, v in fractions.items()}
     time_split["train/goodput"] = fractions["train"]
@@ -214,13 +220,13 @@ class ReportMetrics(Action):
     self._tick, self._eval_seconds = time.perf_counter(), view.eval_seconds
     self._last_step = view.step
 
-  def _throughput(self, steps_per_sec: float) -> dict[str, float]:
+  def _throughput(self, view: StepView, steps_per_sec: float) -> dict[str, float]:
     """`train/tokens_per_sec`, `train/tflops_per_device` and `train/mfu`, as far as known."""
     out = {}
-    tokens = self.tokens_per_step() if self.tokens_per_step else None
+    tokens = self.tokens_per_step() if self.tokens_per_step else view.tokens_per_step
     if tokens:
       out["train/tokens_per_sec"] = steps_per_sec * tokens
-    flops = self.flops() if self.flops else None
+    flops = self.flops() if self.flops else view.flops
     if flops is not None and flops.per_device is not None:
       achieved = flops.per_device * steps_per_sec / 1e12
       out["train/tflops_per_device"] = achieved
@@ -273,77 +279,6 @@ class Evaluate(Action):
     if view.is_last and self._last != view.step and not view.preempted:
       return self.run(view)
     return None
-
-
-class SweepReport(Action):
-  """A sweep's results: each member's eval metrics under its label, the best member, a
-  summary at the end (a table in the log, `sweep.json`), and the best member exported.
-
-  Args:
-    writer: where `eval/<label>/<metric>` scalars go.
-    evaluate_members: `(state, batches) -> [results of member i]`.
-    eval_batches: returns a fresh iterable of eval batches per evaluation.
-    labels: each member's label (`Sweep.label`).
-    every_steps: the evaluation schedule (and the last step).
-    metric, mode: what "best" means (`config.sweep.metric`/`mode`; "" takes the
-      first metric).
-    summarize: `(step, results, best index) -> None`: writes the summary files
-      and exports the best member (`Trainer.finish_sweep`).
-  """
-
-  time_category = "eval"
-
-  reads_state = True
-
-  def __init__(self, writer: metric_writers.MetricWriter,
-               evaluate_members: Callable[[Any, Iterable[Batch]], list[dict[str, float]]],
-               eval_batches: Callable[[], Iterable[Batch]], *, labels: list[str],
-               every_steps: int, metric: str, mode: str,
-               summarize: Callable[[Any, int, list[dict[str, float]], int], None]):
-    if mode not in ("min", "max"):
-      raise ValueError(f"config.sweep.mode={mode!r} must be 'min' or 'max'.")
-    super().__init__(every_steps=every_steps)
-    self.writer, self.evaluate_members, self.eval_batches = writer, evaluate_members, eval_batches
-    self.labels, self.metric, self.mode, self.summarize = labels, metric, mode, summarize
-    self.results: list[dict[str, float]] | None = None
-    self._last: int | None = None
-
-  def triggers(self, view: StepView) -> bool:
-    return super().triggers(view) and not view.preempted
-
-  def run(self, view: StepView) -> Produced:
-    start = time.perf_counter()
-    self.results = self.evaluate_members(view.state, self.eval_batches())
-    self.writer.write_scalars(view.step, {f"eval/{label}/{k}": v for label, r in
-                                          zip(self.labels, self.results, strict=True)
-                                          for k, v in r.items()})
-    self._last = view.step
-    best = self.best()
-    return Produced(eval_seconds=time.perf_counter() - start,
-                    best=(view.step, self.results[best][self.metric_name()]))
-
-  def metric_name(self) -> str:
-    if self.metric and self.metric not in self.results[0]:
-      raise ValueError(f"config.sweep.metric={self.metric!r} is not a member's eval metric; "
-                       f"they are {sorted(self.results[0])}.")
-    return self.metric or next(iter(self.results[0]))
-
-  def best(self) -> int:
-    """The index of the best member by the last evaluation."""
-    values = np.asarray([r[self.metric_name()] for r in self.results], dtype=float)
-    bad = -np.inf if self.mode == "max" else np.inf
-    values = np.where(np.isnan(values), bad, values)
-    return int(np.argmax(values) if self.mode == "max" else np.argmin(values))
-
-  def end(self, view: StepView) -> Produced | None:
-    if view.preempted:
-      return None
-    produced = None
-    if self._last != view.step and view.step > view.start_step:
-      produced = self.run(view)
-    if self.results is not None:
-      self.summarize(view.state, view.step, self.results, self.best())
-    return produced
 
 
 class EarlyStopping(Action):
@@ -528,5 +463,96 @@ def with_user_actions(defaults: list[Action], user: list[Action]) -> list[Action
   return actions
 
 
+def from_config(config: ml_collections.ConfigDict, *, writer: metric_writers.MetricWriter,
+                strategy: Strategy, recipe: Recipe,
+                evaluate: Callable[[Any, Iterable[Batch]], dict[str, float]],
+                learning_rate: Callable[[int], float | None],
+                checkpointer: Checkpointer | None,
+                eval_batches: Callable[[], Iterable[Batch]] | None, workdir: str | None,
+                after_eval: Sequence[Action] = ()) -> list[Action]:
+  """The built-in actions the config asks for, in this module's order.
+
+  Args:
+    config: `log_every_steps`, `eval_every_steps`, `batch_size`,
+      `early_stopping.*`, `profile.*`, `mixed_precision.compute_dtype` (for MFU).
+    writer: where scalars go.
+    strategy: brings metrics to the host, and saves the run in its layout.
+    recipe: whether non-finite updates are skipped (and counted); the eval variants.
+    evaluate: `(state, batches) -> results`.
+    learning_rate: `step -> rate`, logged.
+    checkpointer: where the run is saved (None: no checkpoints, no SIGTERM handling).
+    eval_batches: returns a fresh iterable of eval batches (None: no evaluation).
+    workdir: where a profile trace goes when `profile.logdir` is empty.
+    after_eval: actions that run right after `Evaluate` (a sweep's report).
+
+  Raises:
+    ValueError: an early-stopping or profile setting that cannot work (before any step).
+  """
+  actions: list[Action] = [StopOnSignal()] if checkpointer else []
+  actions.append(ReportMetrics(
+      writer, every_steps=config.log_every_steps, fetch_metrics=strategy.fetch_metrics,
+      merge_host_metrics=strategy.merge_host_metrics, learning_rate=learning_rate,
+      batch_size=config.batch_size, counts_skipped=recipe.skips_nonfinite,
+      peak_tflops=lambda: throughput_lib.peak_tflops(jax.devices()[0],
+                                                     config.mixed_precision.compute_dtype)))
+  if eval_batches is not None:
+    actions.append(Evaluate(writer, evaluate, eval_batches, every_steps=config.eval_every_steps,
+                            variants=recipe.eval_variants))
+    actions.extend(after_eval)
+  actions.extend(_early_stopping(config, has_eval=eval_batches is not None))
+  if checkpointer:
+    actions.append(Checkpoint(
+        lambda run: save_run(checkpointer, strategy, run), wait=checkpointer.wait,
+        step_dir=checkpointer.step_dir, every_steps=checkpointer.every_steps,
+        eval_every_steps=config.eval_every_steps if checkpointer.best_metric else 0))
+  actions.extend(_profile(config, workdir))
+  return actions
+
+
+def _early_stopping(config: ml_collections.ConfigDict, *, has_eval: bool) -> list[Action]:
+  es = config.early_stopping
+  if not es.metric:
+    return []
+  if not has_eval:
+    raise ValueError(f"config.early_stopping.metric={es.metric!r} needs eval batches; "
+                     f"fit() got eval_batches=None.")
+  return [EarlyStopping(es.metric, mode=es.mode, patience=es.patience, min_delta=es.min_delta,
+                        every_steps=config.eval_every_steps)]
+
+
+def _profile(config: ml_collections.ConfigDict, workdir: str | None) -> list[Action]:
+  profile = config.profile
+  if not profile.num_steps:
+    return []
+  logdir = profile.logdir or workdir
+  if not logdir:
+    raise ValueError(f"config.profile.num_steps={profile.num_steps} but there is no "
+                     f"directory for the trace: set config.profile.logdir, or pass "
+                     f"fit(workdir=...).")
+  return [Profile(logdir, first_step=profile.first_step, num_steps=profile.num_steps)]
+
+
+def check_config(config: ml_collections.ConfigDict) -> None:
+  """Raises unless the `early_stopping` and `profile` settings can work: the actions'
+  constructors check them, so this builds them once, unused.
+
+  Raises:
+    ValueError: naming the field, its value and what is accepted.
+  """
+  es = config.early_stopping
+  if es.metric:
+    EarlyStopping(es.metric, mode=es.mode, patience=es.patience, min_delta=es.min_delta,
+                  every_steps=config.eval_every_steps)
+  if config.profile.num_steps:
+    Profile("", first_step=config.profile.first_step, num_steps=config.profile.num_steps)
+
+
+def __getattr__(name: str):
+  if name == "SweepReport":  # Moved to the sweep's package; this path keeps working.
+    from trainer.sweep.report import SweepReport
+    return SweepReport
+  raise AttributeError(f"module 'trainer.loop.builtin' has no attribute {name!r}")
+
+
 __all__ = ["Checkpoint", "EarlyStopping", "Evaluate", "Profile", "ReportMetrics",
-           "StopOnSignal", "SweepReport", "with_user_actions"]
+           "StopOnSignal", "check_config", "from_config", "with_user_actions"]

@@ -110,69 +110,76 @@ def _fold(view: StepView, produced: Produced | None, result: FitResult) -> StepV
 def run(advance: Advance, *, state: Any, start: int, num_steps: int,
         actions: Sequence[Action], finite: FiniteCheck | None = None,
         canonical: Callable[[PyTree], PyTree] = lambda tree: tree,
-        steps_axis: int | None = None, clock: LoopClock | None = None) -> FitResult:
+        steps_axis: int | None = None, clock: LoopClock | None = None,
+        flops: Any = None, tokens_per_step: int | None = None) -> FitResult:
   """Advances from `start` until `num_steps` (or a requested stop), running the actions.
-
-  `steps_axis`: where each call's outputs hold its steps (`StepView.steps_axis`),
-  None when `advance` runs one step a call. `clock` accounts the wall time: each
-  call as `train`, or `compile` where `advance.compiles_at(step)` says the call
-  compiles; each action by its `time_category`; the rest as `other`.
 
   Each action's `begin` runs before the first call, its `run` after each call
   at which it triggers, its `end` after the last call, and its `close`
-  always, last, also after an error.
+  always, last, also after an error. `clock` accounts the wall time: each call
+  as `train`, or `compile` where `advance.compiles_at(step)` says the call
+  compiles; each action by its `time_category`; the rest as `other`.
+  `steps_axis`, `flops` and `tokens_per_step` are what every view says of the
+  calls (`StepView`); the result carries `flops` too (`FitResult.step_flops`).
   """
-  result = FitResult(state=state, step=start)
-
-  def action_states():
-    return {a.name: s for a in actions if (s := a.state_dict()) is not None}
-
-  view = StepView(step=start, previous_step=start, num_steps=num_steps, start_step=start,
-                  state=state, canonical=canonical, action_states=action_states,
-                  steps_axis=steps_axis)
-
-  def checked(view: StepView) -> StepView:
-    if not finite:
-      return view
-    finite.settle()
-    return dataclasses.replace(view, skipped_steps=finite.skipped,
-                               skipped_at=tuple(finite.skipped_at))
-
   clock = clock or LoopClock()
+  result = FitResult(state=state, step=start, step_flops=flops)
+  view = StepView(step=start, previous_step=start, num_steps=num_steps, start_step=start,
+                  state=state, canonical=canonical,
+                  action_states=lambda: {a.name: s for a in actions
+                                         if (s := a.state_dict()) is not None},
+                  steps_axis=steps_axis, flops=flops, tokens_per_step=tokens_per_step)
   compiles_at = getattr(advance, "compiles_at", lambda step: False)
   begun: list[Action] = []
   try:
     with clock.measure("other"):  # What no inner measurement claims: the loop's own time.
       for action in actions:
-        with clock.measure(action.time_category):
-          view = _fold(view, action.begin(view), result)
+        view = _act(action.begin, action, view, result, clock)
         begun.append(action)
       while view.step < num_steps and view.stop_reason is None:
-        with clock.measure("compile" if compiles_at(view.step) else "train"):
-          state, outputs, step, data_state = advance(view.state, view.step)
-        if finite:
-          with clock.measure("train"):  # Waits for the call before this one.
-            finite.push(step, outputs["finite"])
-        view = dataclasses.replace(
-            view, step=step, previous_step=view.step, state=state, outputs=outputs,
-            eval_results=None, data_state=data_state,
-            skipped_steps=finite.skipped if finite else 0,
-            skipped_at=tuple(finite.skipped_at) if finite else ())
+        view = _call(advance, view, finite, clock, compiles=compiles_at(view.step))
         for action in actions:
           if action.triggers(view):
             if action.needs_checked_step(view):
-              with clock.measure("train"):  # Waits for the call.
-                view = checked(view)
-            with clock.measure(action.time_category):
-              view = _fold(view, action.run(view), result)
-      with clock.measure("train"):
-        view = checked(view)
+              view = _checked(view, finite, clock)
+            view = _act(action.run, action, view, result, clock)
+      view = _checked(view, finite, clock)
       for action in actions:
-        with clock.measure(action.time_category):
-          view = _fold(view, action.end(view), result)
+        view = _act(action.end, action, view, result, clock)
   finally:
     for action in reversed(begun):
       action.close()
   result.state, result.step = view.state, view.step
   result.stopped_by, result.skipped_steps = view.stop_reason, view.skipped_steps
   return result
+
+
+def _act(method: Callable[[StepView], Produced | None], action: Action, view: StepView,
+         result: FitResult, clock: LoopClock) -> StepView:
+  """Runs one of an action's methods, timed by its category, and folds what it produced."""
+  with clock.measure(action.time_category):
+    return _fold(view, method(view), result)
+
+
+def _call(advance: Advance, view: StepView, finite: FiniteCheck | None, clock: LoopClock, *,
+          compiles: bool) -> StepView:
+  """One compiled call; its `finite` flags are queued, and the call before it checked."""
+  with clock.measure("compile" if compiles else "train"):
+    state, outputs, step, data_state = advance(view.state, view.step)
+  if finite:
+    with clock.measure("train"):  # Waits for the call before this one.
+      finite.push(step, outputs["finite"])
+  return dataclasses.replace(
+      view, step=step, previous_step=view.step, state=state, outputs=outputs,
+      eval_results=None, data_state=data_state, skipped_steps=finite.skipped if finite else 0,
+      skipped_at=tuple(finite.skipped_at) if finite else ())
+
+
+def _checked(view: StepView, finite: FiniteCheck | None, clock: LoopClock) -> StepView:
+  """The view once every call's flags are checked (waiting for the last call)."""
+  if not finite:
+    return view
+  with clock.measure("train"):  # Waits for the call.
+    finite.settle()
+  return dataclasses.replace(view, skipped_steps=finite.skipped,
+                             skipped_at=tuple(finite.skipped_at))

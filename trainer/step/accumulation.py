@@ -52,11 +52,19 @@ def from_config(config: ml_collections.ConfigDict, *, num_data_replicas: int,
         f"{per_replica} examples each of the {num_data_replicas} data replica(s) of strategy "
         f"{strategy_name!r} gets (config.batch_size={config.batch_size}): each microbatch "
         f"takes an equal part of every replica's shard.")
-  loop = config.grad_accum_loop or default_loop(jax.default_backend())
-  if loop not in LOOPS:
+  check_loop(config.grad_accum_loop)
+  return steps, config.grad_accum_loop or default_loop(jax.default_backend())
+
+
+def check_loop(loop: str) -> None:
+  """Raises unless `config.grad_accum_loop` names a loop, or is '' (the platform's default).
+
+  Raises:
+    ValueError: naming the value and the loops.
+  """
+  if loop and loop not in LOOPS:
     raise ValueError(f"config.grad_accum_loop={loop!r} is not one of {LOOPS} (or '' for "
                      f"the platform's default).")
-  return steps, loop
 
 
 def microbatched(grad_fn: GradFn, k: int, *, loop: str = "scan",

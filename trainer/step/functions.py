@@ -162,6 +162,17 @@ def default_steps_loop(platform: str) -> str:
   return "unroll" if platform == "cpu" else "scan"
 
 
+def check_steps_loop(loop: str) -> None:
+  """Raises unless `config.steps_loop` is one of `STEP_LOOPS`, or '' (the platform's default).
+
+  Raises:
+    ValueError: naming the value and the loops.
+  """
+  if loop and loop not in STEP_LOOPS:
+    raise ValueError(f"config.steps_loop={loop!r} is not one of {STEP_LOOPS} (or '' for the "
+                     f"platform's default).")
+
+
 def several_steps(train_step: Callable, strategy: Strategy, *, data: Any = None,
                num_steps: int | None = None, loop: str = "scan") -> Callable:
   """`(state, batches, data inputs) -> (state, outputs)`: `train_step` over several steps.
@@ -200,10 +211,14 @@ class CompiledSteps:
 
   Each compiles the hooks' `train_step` / `eval_step` / `predict_step`, so a
   Trainer subclass that overrides one is compiled with its override.
+  `steps_loop` (`config.steps_loop`) is how a call of several steps runs them:
+  one of `STEP_LOOPS`, or '' for the platform's default (`default_steps_loop`).
   """
 
-  def __init__(self, hooks: Any, strategy: Strategy, *, steps_loop: str = "scan"):
-    self._hooks, self._strategy, self._steps_loop = hooks, strategy, steps_loop
+  def __init__(self, hooks: Any, strategy: Strategy, *, steps_loop: str = ""):
+    check_steps_loop(steps_loop)
+    self._hooks, self._strategy = hooks, strategy
+    self._steps_loop = steps_loop or default_steps_loop(jax.devices()[0].platform)
     self._train = self._eval = self._predict = None
     self._chunks: dict[Any, Callable] = {}
 
@@ -216,6 +231,12 @@ class CompiledSteps:
       self._train = self._strategy.compile_train_step(
           explaining_errors(self._hooks.train_step, self._hooks), state)
     return self._train
+
+  def train_text(self, state, example_batch: Batch) -> str:
+    """The optimised HLO of the compiled train step (collectives included), for batches
+    shaped like the host batch `example_batch`."""
+    return self.train(state).lower(state, self._strategy.put_batch(example_batch)).compile(
+        ).as_text()
 
   def train_chunk(self, state, *, data: Any = None, num_steps: int | None = None) -> Callable:
     """The compiled `(state, batches, data inputs) -> (state, outputs)` of several train

@@ -83,6 +83,9 @@ def _mode_value(name: str, train: bool) -> bool:
 class ModelVariables(abc.ABC):
   """Init and apply of one module as pure functions of `(params, model_state)`."""
 
+  #: Whether the module is a Linen one (else NNX): how variable paths are named.
+  linen: bool = True
+
   @abc.abstractmethod
   def init(self, rngs: Rngs, inputs: Inputs) -> tuple[PyTree, PyTree]:
     """`(params, model_state)` of a new model, from `rngs` (with a `params` stream)."""
@@ -276,6 +279,8 @@ class NnxVariables(ModelVariables):
   RNG streams never live in the train state: each step rebuilds the module from
   that step's keys, so its randomness is a function of `(state.rng, step)`.
   """
+
+  linen = False
 
   def __init__(self, factory: Callable[..., nnx.Module], *, sync_batchnorm: bool = False,
                remat: Remat | None = None):

@@ -237,3 +237,36 @@ def grouped_optimizer(config: ml_collections.ConfigDict, schedule: optax.Schedul
 
   clip = optax.clip_by_global_norm(config.grad_clip_norm) if config.grad_clip_norm else None
   return by_labels(make, groups, labels, clip=clip)
+
+
+def optimizer_for(config: ml_collections.ConfigDict, schedule: optax.Schedule, *,
+                  labels: Callable[[PyTree], PyTree] | None = None,
+                  ) -> optax.GradientTransformation:
+  """The config's optimizer: per parameter group (`grouped_optimizer`) when `labels` is
+  given (the Trainer's `parameter_labels`, when parameters are grouped), else
+  `create_optimizer`."""
+  if labels is not None:
+    return grouped_optimizer(config, schedule, labels=labels)
+  return create_optimizer(config, schedule)
+
+
+def check_config(config: ml_collections.ConfigDict, num_train_steps: int | None, *,
+                 swept: bool) -> None:
+  """Raises unless the optimizer fields are usable: builds the chain, touching no array.
+
+  A sweep's hyperparameters are checked per member (`trainer.sweep.Sweep`);
+  here only what every member shares.
+
+  Raises:
+    ValueError: naming the field, its value and what is accepted.
+  """
+  param_groups(config)
+  if swept:
+    if config.optimizer not in OPTIMIZERS:
+      raise ValueError(f"config.optimizer={config.optimizer!r} is not supported; choose one "
+                       f"of: {', '.join(OPTIMIZERS)}.")
+    if config.schedule.name not in SCHEDULES:
+      raise ValueError(f"config.schedule.name={config.schedule.name!r} is not one of "
+                       f"{SCHEDULES}.")
+    return
+  create_optimizer(config, create_schedule(config, num_train_steps))

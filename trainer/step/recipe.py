@@ -247,22 +247,33 @@ def recipe_from_config(config: ml_collections.ConfigDict, *, num_data_replicas: 
                                          strategy_name=strategy_name)
   if steps > 1:
     transforms.append(Accumulate(steps, loop))
+  check_config(config)
   ema = config.ema_decay
-  if not isinstance(ema, (int, float)) or not 0.0 <= ema < 1.0:
-    raise ValueError(f"config.ema_decay={ema!r} must be in [0, 1) (0: no EMA of the "
-                     f"parameters).")
   swept = len(config.sweep.grid.ema_decay) > 0 or any("ema_decay" in p
                                                       for p in config.sweep.points)
   if ema or swept:  # A sweep of the decay keeps it in the state, per member.
     transforms.append(Ema(float(ema), in_state=swept))
-  if config.nonfinite not in NONFINITE_ACTIONS:
-    raise ValueError(f"config.nonfinite={config.nonfinite!r} is not one of "
-                     f"{NONFINITE_ACTIONS}: 'stop' raises at the first non-finite loss or "
-                     f"gradient norm, 'skip' leaves such updates out and counts them.")
   if config.nonfinite == "skip":
     transforms.append(SkipNonFinite())
   return Recipe(tuple(transforms))
 
 
+def check_config(config: ml_collections.ConfigDict) -> None:
+  """Raises unless `ema_decay` and `nonfinite` are usable (the other recipe fields are
+  checked by their parts: `Precision.from_config`, `accumulation.from_config`).
+
+  Raises:
+    ValueError: naming the field, its value and what is accepted.
+  """
+  ema = config.ema_decay
+  if not isinstance(ema, (int, float)) or not 0.0 <= ema < 1.0:
+    raise ValueError(f"config.ema_decay={ema!r} must be in [0, 1) (0: no EMA of the "
+                     f"parameters).")
+  if config.nonfinite not in NONFINITE_ACTIONS:
+    raise ValueError(f"config.nonfinite={config.nonfinite!r} is not one of "
+                     f"{NONFINITE_ACTIONS}: 'stop' raises at the first non-finite loss or "
+                     f"gradient norm, 'skip' leaves such updates out and counts them.")
+
+
 __all__ = ["Accumulate", "Ema", "MixedPrecision", "Recipe", "SkipNonFinite", "StepAux",
-           "StepTransform", "recipe_from_config"]
+           "StepTransform", "check_config", "recipe_from_config"]

@@ -1,0 +1,108 @@
+"""Where a run starts: the latest checkpoint in its directory (resume, no flag needed), a
+state it was given, or a new one; and its train data from that step.
+
+Resume is one call: the train state, the data position (a checkpointable
+iterator such as Grain's is set to it) and the actions' state, all from the
+`RunState` of the latest complete checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from strategies import Strategy
+from trainer.checkpoint import Checkpointer
+from trainer.data.device import DeviceData
+from trainer.data.feed import is_checkpointable
+from trainer.loop.actions import Action
+from trainer.run.state import States
+
+Batch = Mapping[str, Any]
+PyTree = Any
+#: What `fit` takes as train data: `start_step -> batches`, batches, or a device dataset.
+TrainData = Callable[[int], Iterable[Batch]] | Iterable[Batch] | DeviceData
+
+
+@dataclasses.dataclass(frozen=True)
+class Start:
+  """Where a run starts.
+
+  Attributes:
+    state: the placed train state at `step`.
+    step: the step the run starts at.
+    batch: the batch of that step (for a device dataset: an example of its shapes).
+    batches: the host batches after `batch`, or None for a device dataset.
+    device_data: the device-resident dataset, or None for host batches.
+  """
+
+  state: PyTree
+  step: int
+  batch: Batch
+  batches: Iterator[Batch] | None
+  device_data: DeviceData | None
+
+
+def step_of(state: PyTree, strategy: Strategy) -> int:
+  """The host value of a placed state's step (all members step together)."""
+  return int(np.ravel(strategy.to_canonical(state.step))[0])
+
+
+def start(train_batches: TrainData, *, state: PyTree | None, checkpointer: Checkpointer | None,
+          actions: Sequence[Action], states: States, strategy: Strategy, batch_size: int,
+          check_batch: Callable[[Batch, int], None]) -> Start:
+  """Resumes from `checkpointer`'s latest checkpoint when `state` is None and there is one;
+  else starts from `state`, or from a new state made for the first batch.
+
+  Raises:
+    ValueError: resuming needs `train_batches` as `start_step -> batches`, or the
+      first batch does not fit (`check_batch`).
+    CheckpointError: the checkpoint could not be read or restored.
+  """
+  resume_step = checkpointer.latest_step() if checkpointer and state is None else None
+  step = resume_step or (step_of(state, strategy) if state is not None else 0)
+  device_data = train_batches if isinstance(train_batches, DeviceData) else None
+  if device_data is not None:
+    batches = None
+    batch = device_data.example_batch(strategy.process_slice(batch_size))
+  else:
+    batches = _train_iterator(train_batches, step, resume_step, checkpointer)
+    batch = next(batches)
+  check_batch(batch, step)
+  if resume_step:
+    state, batch = _resume(states, checkpointer, resume_step, batches, batch, actions)
+  elif state is None:
+    state = states.init(batch)
+  return Start(state, step, batch, batches, device_data)
+
+
+def _train_iterator(train_batches: Any, start: int, resume_step: int | None,
+                    checkpointer: Checkpointer | None) -> Iterator[Batch]:
+  if callable(train_batches):
+    return iter(train_batches(start))
+  if resume_step:
+    raise ValueError(
+        f"resuming from checkpoint step {resume_step} in {checkpointer.directory} needs "
+        f"train_batches as a function start_step -> batches, so the data order continues "
+        f"where the checkpoint left it.")
+  return iter(train_batches)
+
+
+def _resume(states: States, checkpointer: Checkpointer, step: int,
+            batches: Iterator[Batch] | None, batch: Batch,
+            actions: Sequence[Action]) -> tuple[PyTree, Batch]:
+  """Restores the run saved at `step` in one call: the state, the data position (the
+  first batch is read again from there) and the actions' state."""
+  run = states.restore(checkpointer, batch, step=step)
+  if run.data is not None and is_checkpointable(batches):
+    batches.set_state(run.data)  # The batch read before was only for the shapes.
+    batch = next(batches)
+  for action in actions:
+    if action.name in run.actions:
+      action.load_state_dict(run.actions[action.name])
+  logging.info("Resuming at step %d from %s", step, checkpointer.step_dir(step))
+  return run.state, batch

@@ -1,0 +1,92 @@
+"""Where a run's train state comes from: a new one, or a checkpoint.
+
+A new state is the strategy's placed init of the model; with
+`config.init_from`, the variables its rules load replace the fresh ones
+(checked against the model's shapes before anything is computed); under a
+sweep, each member's optimizer then holds its own hyperparameters. A restored
+one is read from a checkpoint written under any strategy, into this
+strategy's layout, in one call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import ml_collections
+
+from strategies import Strategy
+from trainer.checkpoint import Checkpointer, RunState, init_from, restore_run
+from trainer.step.functions import StepFunctions
+from trainer.step.recipe import Recipe
+from trainer.sweep.members import Sweep
+from trainer.sweep.optimizer import place_hyperparameters
+
+Batch = Mapping[str, Any]
+PyTree = Any
+
+
+class States:
+  """Makes the placed train state of a run: new (`init`) or restored (`restore`).
+
+  Args:
+    config: `seed` (the default RNG) and `init_from.*`.
+    steps: the step functions, whose `init_fn` builds one model's state.
+    strategy: creates and places the state in its layout.
+    recipe: adds what the recipe keeps (an EMA) to a state made from loaded variables.
+    create_train_state: the Trainer's hook, `(*, params, model_state, rng) -> state`.
+    sweep: puts each member's hyperparameters into its optimizer state (None: no sweep).
+    linen: whether the model is a Linen module (else NNX): how `init_from` names paths.
+
+  Raises:
+    ValueError: `config.init_from.path` does not exist (or holds no checkpoint step).
+  """
+
+  def __init__(self, config: ml_collections.ConfigDict, *, steps: StepFunctions,
+               strategy: Strategy, recipe: Recipe, create_train_state: Callable[..., Any],
+               sweep: Sweep | None, linen: bool):
+    self.config, self.steps, self.strategy, self.recipe = config, steps, strategy, recipe
+    self.create_train_state, self.sweep, self.linen = create_train_state, sweep, linen
+    spec = config.init_from
+    #: `config.init_from`'s source, opened (None: off).
+    self.source = (init_from.open_source(spec.path, step=spec.step, linen=linen)
+                   if spec.path else None)
+
+  def init(self, example_batch: Batch, rng: jax.Array | None = None) -> PyTree:
+    """A new placed state for batches shaped like `example_batch`; `rng` defaults to
+    `PRNGKey(config.seed)`."""
+    if rng is None:
+      rng = jax.random.PRNGKey(self.config.seed)
+    init_fn = self.steps.init_fn(example_batch)
+    if self.source is not None:  # The rules are checked before anything is computed.
+      abstract = jax.eval_shape(init_fn, rng)
+      plan = init_from.plan(
+          self.config, self.source,
+          init_from.variables_by_collection(abstract.params, abstract.model_state,
+                                            linen=self.linen),
+          num_members=self.strategy.checkpoint_layout()["num_members"])
+    state = self.strategy.create_state(init_fn, rng)
+    if self.source is not None:
+      state = init_from.start_from(plan, self.strategy, state, abstract, self._fresh,
+                                   linen=self.linen)
+    if self.sweep is not None:  # Each member's own hyperparameters into its optimizer.
+      state = place_hyperparameters(state, self.sweep)
+    return state
+
+  def _fresh(self, state: PyTree) -> PyTree:
+    """A new state of one model from `state`'s variables and RNG (optimizer, recipe: fresh)."""
+    return self.recipe.init_state(self.create_train_state(
+        params=state.params, model_state=state.model_state, rng=state.rng))
+
+  def abstract(self, example_batch: Batch) -> PyTree:
+    """One model's state as shapes and dtypes, for batches shaped like `example_batch`."""
+    return jax.eval_shape(self.steps.init_fn(example_batch), jax.random.PRNGKey(0))
+
+  def restore(self, checkpointer: Checkpointer, example_batch: Batch, *,
+              step: int | None = None, member: int | None = None) -> RunState:
+    """The run saved at `step` (None: the latest), written under any strategy, in this
+    strategy's layout (`trainer.checkpoint.restore_run`); `member`: one member of a
+    saved ensemble, for a single-model strategy."""
+    return restore_run(checkpointer, self.strategy, self.abstract(example_batch), step=step,
+                       member=member)

@@ -1,0 +1,64 @@
+"""Sweeps as ensembles: each member of an ensemble strategy trains with its own optimizer
+hyperparameters and seed, in one compiled program (`config.sweep`).
+
+A sweep is a list of members, each a point of hyperparameters and a seed:
+`sweep.grid` (name -> values: their product) or `sweep.points` (one dict per
+point), times `sweep.seeds`. Member i starts from `PRNGKey(seed_i)`, so it is
+the single-model run with its hyperparameters and that seed.
+
+- `members`: `Sweep` (the members, their labels and single-model configs) and
+  `SWEPT`, the names a sweep can vary: `learning_rate`, `weight_decay`,
+  `momentum` (sgd), `b1` (adam, adamw), `grad_clip_norm`, `warmup_steps`
+  (`schedule.warmup_steps`), and `ema_decay` (then kept in the state,
+  `EmaTrainState.ema_decay`; every swept value must be > 0, so that each
+  member's single-model run has an EMA too);
+- `optimizer`: the config's chain with every member's hyperparameters in its
+  state (`swept_optimizer`, `place_hyperparameters`);
+- `report`: what a sweep reports and leaves behind (`SweepReport`, `summarize`,
+  `export_member`, `plot`), and `actions`, the sweep's actions for a run.
+
+The names below are imported on first use, so that `members` (no jax) can be
+read while an entry point parses its flags.
+"""
+
+import importlib
+
+_EXPORTS = {
+    "INJECTED": "trainer.sweep.optimizer",
+    "NOT_SWEPT": "trainer.sweep.members",
+    "SWEPT": "trainer.sweep.members",
+    "Sweep": "trainer.sweep.members",
+    "SweepReport": "trainer.sweep.report",
+    "actions": "trainer.sweep.report",
+    "export_member": "trainer.sweep.report",
+    "fit_strategy": "trainer.sweep.members",
+    "format_table": "trainer.sweep.report",
+    "place_hyperparameters": "trainer.sweep.optimizer",
+    "plot": "trainer.sweep.report",
+    "schedule_value": "trainer.sweep.optimizer",
+    "single_model_opt_state": "trainer.sweep.optimizer",
+    "strategy_for": "trainer.sweep.members",
+    "summarize": "trainer.sweep.report",
+    "summary_rows": "trainer.sweep.report",
+    "swept_optimizer": "trainer.sweep.optimizer",
+}
+
+#: Names that moved when this module became a package, and where they are now.
+_MOVED = {"check_sweep_fits": "trainer.sweep.fit_strategy (it also gives a strategy built "
+                              "in code the sweep's seeds)"}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+  if name in _MOVED:
+    raise AttributeError(f"trainer.sweep.{name} moved: use {_MOVED[name]}.")
+  if name not in _EXPORTS:
+    raise AttributeError(f"module 'trainer.sweep' has no attribute {name!r}")
+  value = getattr(importlib.import_module(_EXPORTS[name]), name)
+  globals()[name] = value
+  return value
+
+
+def __dir__():
+  return sorted(list(globals()) + __all__)

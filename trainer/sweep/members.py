@@ -1,0 +1,187 @@
+"""A sweep's members: each one's hyperparameters and seed, from `config.sweep`.
+
+This module needs no jax, so an entry point can name the sweepable fields
+while it parses its flags (`trainer.config.parse_flags`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Mapping
+from typing import Any
+
+import ml_collections
+import numpy as np
+
+#: Swept name -> the config field it replaces per member.
+SWEPT = {"learning_rate": "learning_rate", "weight_decay": "weight_decay",
+         "momentum": "momentum", "b1": "b1", "grad_clip_norm": "grad_clip_norm",
+         "warmup_steps": "schedule.warmup_steps", "ema_decay": "ema_decay"}
+
+#: Why a name outside `SWEPT` cannot be swept, and what to do instead.
+NOT_SWEPT = ("a sweep trains every member in one compiled program, so it varies the optimizer's "
+             "settings (held in each member's optimizer state) and the seed, never what changes "
+             "the program: a module hyperparameter (a dropout rate, a width, the number of "
+             "layers) is swept with one run per value (e.g. --config.model.<field>=...), each "
+             "of which may sweep the optimizer's settings")
+
+
+def _config_value(config: ml_collections.ConfigDict, field: str) -> Any:
+  node = config
+  for part in field.split("."):
+    node = node[part]
+  return node
+
+
+@dataclasses.dataclass(frozen=True)
+class Sweep:
+  """The members of a sweep: each one's hyperparameters (every swept name) and seed.
+
+  Attributes:
+    members: per member, `{name: value}` for every name in `SWEPT` plus `seed`.
+    varied: the names whose values differ between members, in config order
+      (`seed` last when there are several seeds): what labels a member.
+  """
+
+  members: tuple[Mapping[str, float], ...]
+  varied: tuple[str, ...]
+
+  def __len__(self) -> int:
+    return len(self.members)
+
+  def label(self, i: int) -> str:
+    """`learning_rate=0.1,seed=1`: member i by the values that vary."""
+    return ",".join(f"{name}={_fmt(self.members[i][name])}" for name in self.varied)
+
+  def column(self, name: str) -> np.ndarray:
+    """Every member's value of `name`."""
+    return np.asarray([m[name] for m in self.members])
+
+  @property
+  def seeds(self) -> list[int]:
+    """Each member's seed: member i starts from `PRNGKey(seeds[i])`."""
+    return [int(m["seed"]) for m in self.members]
+
+  def member_config(self, config: ml_collections.ConfigDict, i: int
+                    ) -> ml_collections.ConfigDict:
+    """The single-model config of member i: its values in place of the config's, no sweep."""
+    out = ml_collections.ConfigDict(config.to_dict())
+    for name, field in SWEPT.items():
+      *parents, last = field.split(".")
+      node = out
+      for part in parents:
+        node = node[part]
+      node[last] = type(node[last])(self.members[i][name])
+    out.seed = int(self.members[i]["seed"])
+    out.sweep = ml_collections.ConfigDict(config.sweep.to_dict())
+    for name in SWEPT:
+      out.sweep.grid[name] = ()
+    out.sweep.points, out.sweep.seeds = (), ()
+    return out
+
+  @classmethod
+  def from_config(cls, config: ml_collections.ConfigDict) -> Sweep | None:
+    """The sweep `config.sweep` describes, or None when it sweeps nothing.
+
+    Raises:
+      ValueError: a point names something that cannot be swept, both `grid`
+        and `points` are given, or a value is out of range.
+    """
+    s = config.sweep
+    grid = {name: tuple(s.grid[name]) for name in SWEPT if len(s.grid[name])}
+    points = [dict(p) for p in s.points]
+    seeds = tuple(int(x) for x in s.seeds) or (config.seed,)
+    if grid and points:
+      raise ValueError(f"config.sweep.grid sweeps {sorted(grid)} and config.sweep.points has "
+                       f"{len(points)} points; give one of them.")
+    for p in points:
+      unknown = set(p) - set(SWEPT)
+      if unknown:
+        raise ValueError(f"config.sweep.points has {sorted(unknown)}, which cannot be swept; "
+                         f"the sweepable names are {sorted(SWEPT)}: {NOT_SWEPT}.")
+    if s.mode not in ("min", "max"):
+      raise ValueError(f"config.sweep.mode={s.mode!r} must be 'min' or 'max'.")
+    if not grid and not points and len(seeds) == 1 and not len(s.seeds):
+      return None
+    base = {name: _config_value(config, field) for name, field in SWEPT.items()}
+    if grid:
+      points = [dict(zip(grid, values, strict=True))
+                for values in itertools.product(*grid.values())]
+    points = points or [{}]
+    members = tuple({**base, **p, "seed": seed} for p in points for seed in seeds)
+    for m in members:
+      _check_member(m)
+    if (grid.get("ema_decay") or any("ema_decay" in p for p in points)) and min(
+        m["ema_decay"] for m in members) <= 0:
+      raise ValueError("config.sweep sweeps ema_decay with a value of 0; every swept decay "
+                       "must be in (0, 1), so that each member's single-model run keeps an "
+                       "EMA too.")
+    varied = tuple(n for n in SWEPT if len({m[n] for m in members}) > 1)
+    if len(seeds) > 1:
+      varied += ("seed",)
+    return cls(members, varied)
+
+
+def strategy_for(config: ml_collections.ConfigDict, sweep: Sweep | None,
+                 strategy: Any = None) -> Any:
+  """The strategy `config.strategy.name` names (or `strategy`, built in code), checked
+  against the run's processes and, under a sweep, fitted to its members (`fit_strategy`).
+
+  Raises:
+    ValueError: the strategy cannot run here, or cannot hold the sweep's members.
+  """
+  from strategies import check_processes, create_strategy
+  if strategy is not None:
+    check_processes(type(strategy))
+  else:
+    try:
+      strategy = create_strategy(config)  # Checks the process count itself.
+    except ValueError as e:
+      if sweep is None or config.ensemble_size:
+        raise
+      raise ValueError(f"config.sweep describes {len(sweep)} members (the ensemble's size, "
+                       f"since config.ensemble_size=0): {e}") from e
+  if sweep is not None:
+    fit_strategy(sweep, strategy)
+  return strategy
+
+
+def fit_strategy(sweep: Sweep, strategy: Any) -> None:
+  """Checks that `strategy` is an ensemble of exactly the sweep's members, and gives a
+  strategy built in code (whose members have no seeds yet) the sweep's seeds.
+
+  Raises:
+    ValueError: naming the member count, the strategy and what would fit.
+  """
+  from strategies import Ensemble
+  if not isinstance(strategy, Ensemble):
+    raise ValueError(
+        f"config.sweep describes {len(sweep)} members, but strategy {strategy.name!r} trains "
+        f"one model; sweeps train as ensembles: set config.strategy.name to "
+        f"'sharded_ensemble' (any member count that divides over its 'ensemble' mesh axis) "
+        f"or 'pmap_ensemble' (one member per local device).")
+  if strategy.num_members != len(sweep):
+    raise ValueError(
+        f"config.sweep describes {len(sweep)} members but the strategy {strategy.name!r} "
+        f"holds {strategy.num_members} (config.ensemble_size={strategy.num_members}); set "
+        f"config.ensemble_size=0 to take the sweep's count, or change the sweep.")
+  if strategy.member_seeds is None:
+    strategy.member_seeds = sweep.seeds
+
+
+def _fmt(value: float) -> str:
+  return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def _check_member(m: Mapping[str, float]) -> None:
+  checks = {"learning_rate": lambda v: v > 0, "weight_decay": lambda v: v >= 0,
+            "momentum": lambda v: 0 <= v < 1, "b1": lambda v: 0 <= v < 1,
+            "grad_clip_norm": lambda v: v >= 0,
+            "warmup_steps": lambda v: float(v).is_integer() and v >= 0,
+            "ema_decay": lambda v: 0 <= v < 1}
+  for name, ok in checks.items():
+    if not ok(m[name]):
+      raise ValueError(f"config.sweep value {name}={m[name]!r} is out of range (learning_rate "
+                       f"> 0; weight_decay, grad_clip_norm >= 0; momentum, b1, ema_decay in "
+                       f"[0, 1); warmup_steps an integer >= 0).")
