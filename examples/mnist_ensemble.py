@@ -35,19 +35,24 @@ import os
 import sys
 
 from absl import app, flags, logging
-from ml_collections import config_flags
 
 # Run from a checkout without installing: the repository root holds the packages.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from trainer import config as config_lib  # noqa: E402  (no jax: safe before devices)
+from trainer.run import workdir as workdir_lib  # noqa: E402
+
 FLAGS = flags.FLAGS
 #: config.data.pipeline: streamed by Grain, read into host memory, or placed on the devices.
 PIPELINES = ("grain", "memory", "device")
-config_flags.DEFINE_config_file(
-    "config", os.path.join(os.path.dirname(__file__), "..", "configs", "mnist_ensemble.py"),
-    "Training configuration (an ml_collections config file).", lock_config=True)
+# An ml_collections config file, locked: an override must name one of its fields.
+config_lib.define_config_file(
+    os.path.join(os.path.dirname(__file__), "..", "configs", "mnist_ensemble.py"),
+    "Training configuration (an ml_collections config file).")
 flags.DEFINE_string("workdir", None, "Directory for TensorBoard events and metrics.jsonl.")
 flags.mark_flags_as_required(["workdir"])
+# A --workdir that cannot be a directory is refused while the flags are parsed.
+flags.register_validator("workdir", workdir_lib.flag_validator)
 
 
 def train_and_evaluate(config, workdir: str) -> dict[str, float] | None:
@@ -144,4 +149,6 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  # An override of a field the config lacks is refused naming the field (and, under
+  # sweep.grid, what can be swept) instead of ml_collections' bare AttributeError.
+  app.run(main, flags_parser=config_lib.parse_flags)

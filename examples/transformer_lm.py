@@ -12,18 +12,23 @@ import os
 import sys
 
 from absl import app, flags, logging
-from ml_collections import config_flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from trainer import config as config_lib  # noqa: E402  (no jax: safe before devices)
+from trainer.run import workdir as workdir_lib  # noqa: E402
+
 FLAGS = flags.FLAGS
-config_flags.DEFINE_config_file(
-    "config", os.path.join(os.path.dirname(__file__), "..", "configs", "lm.py"),
-    "Training configuration (configs/lm.py:<layout>).", lock_config=True)
+# An ml_collections config file, locked: an override must name one of its fields.
+config_lib.define_config_file(
+    os.path.join(os.path.dirname(__file__), "..", "configs", "lm.py"),
+    "Training configuration (configs/lm.py:<layout>).")
 flags.DEFINE_string("workdir", None, "Directory for checkpoints, TensorBoard events and "
                     "metrics.jsonl.")
 flags.DEFINE_integer("num_cpu_devices", 8, "Host devices to make on a CPU-only machine.")
 flags.mark_flags_as_required(["workdir"])
+# A --workdir that cannot be a directory is refused while the flags are parsed.
+flags.register_validator("workdir", workdir_lib.flag_validator)
 
 
 def main(argv):
@@ -64,4 +69,6 @@ def train(config, workdir: str) -> None:
 
 
 if __name__ == "__main__":
-  app.run(main)
+  # An override of a field the config lacks is refused naming the field (and, under
+  # sweep.grid, what can be swept) instead of ml_collections' bare AttributeError.
+  app.run(main, flags_parser=config_lib.parse_flags)

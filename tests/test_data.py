@@ -111,7 +111,8 @@ def test_prepare_from_real_files_is_offline(tmp_path):
 def test_the_grain_pipeline_refuses_a_dataset_prepared_as_tfrecord(tmp_path):
   if not MNIST_DIR.is_dir():
     pytest.skip("real MNIST files not found")
-  builder = data.prepare("mnist", str(tmp_path), str(MNIST_DIR))  # The memory path's format.
+  # As an older version of this project prepared it for the memory pipeline.
+  builder = data.prepare("mnist", str(tmp_path), str(MNIST_DIR), file_format="tfrecord")
   assert len(data.load_split(builder, "test[:10]")) == 10
   with pytest.raises(ValueError, match=r"config.data.pipeline='grain' reads 'mnist' prepared "
                                        r"as array_record, but .* holds it as tfrecord"):
@@ -127,3 +128,15 @@ def test_split_slices_and_unknown_splits(real_mnist_run, readme_runner):
   with pytest.raises(ValueError, match=r"config\.data\.eval_split='tset' is not a split of "
                                        r"'mnist' \(its splits: test, train"):
     data.load_split(builder, "tset", field="data.eval_split")
+
+
+def test_the_commands_of_every_pipeline_work_in_any_order_on_one_data_dir(tmp_path):
+  """The in-memory and device pipelines prepare (file_format None) in the format Grain
+  reads, so the flagship's Grain pipeline then reads the same data directory."""
+  if not MNIST_DIR.is_dir():
+    pytest.skip("real MNIST files not found")
+  first = data.prepare("mnist", str(tmp_path), str(MNIST_DIR))  # memory / device
+  assert first.info.file_format.value == "array_record"
+  then = data.prepare("mnist", str(tmp_path), str(MNIST_DIR), file_format="array_record")
+  assert len(data.data_source(then, "test[:10]", field="data.eval_split")) == 10
+  assert len(data.load_split(first, "test[:10]")) == 10

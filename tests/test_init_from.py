@@ -208,3 +208,19 @@ def test_an_ensemble_source_needs_a_member_for_a_different_layout(cnn_ensemble):
 def test_a_path_that_does_not_exist_is_refused_when_the_trainer_is_built(tmp_path):
   with pytest.raises(ValueError, match=r"config.init_from.path='.*/nowhere' does not exist"):
     CNNTrainer(cnn_config(**{"init_from.path": str(tmp_path / "nowhere")}))
+
+
+def test_every_shape_mismatch_is_named_with_both_shapes(flax_style, tmp_path):
+  """Mapping the head onto the hidden layer mismatches two arrays: both are named."""
+  directory, _ = flax_style
+  rules = (("Dense_1/(.*)", r"Dense_0/\1"), ("(Dense_0|BatchNorm_0)/.*", r"\g<0>"))
+  with pytest.raises(ValueError) as info:
+    user_models.FlaxStyleTrainer(cnn_config(**{"init_from.path": directory,
+                                               "init_from.rules": rules})).init_state(BATCHES[0])
+  message = str(info.value)
+  assert "2 variable(s) of the new model differ in shape" in message, message
+  for new, old, new_shape, old_shape in (("Dense_1/bias", "Dense_0/bias", (10,), (16,)),
+                                         ("Dense_1/kernel", "Dense_0/kernel", (16, 10),
+                                          (784, 16))):
+    assert (f"params path {new!r} has shape {new_shape} in the new model but {old!r} has "
+            f"shape {old_shape}") in message, message

@@ -3,6 +3,8 @@ says what to change, and Flax's own NNX example model trains as written."""
 
 import logging
 import os
+import pathlib
+import re
 
 import jax
 import numpy as np
@@ -15,6 +17,8 @@ from trainer import ClassificationTrainer
 from trainer import data as data_lib
 from trainer.checkpoint import Checkpointer
 from trainer.step.model_variables import MissingRngStreamError
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 # -- An RNG stream the Trainer does not draw ----------------------------------------------------
 
@@ -194,3 +198,97 @@ def test_orbax_info_lines_stay_off_the_console(tmp_path, caplog):
            and os.sep + "orbax" + os.sep in r.pathname]
   assert not shown, [r.getMessage() for r in shown[:3]]
 
+
+
+# -- Traps found from outside (issue 14) --------------------------------------------------------
+
+
+class PassesRngsPositionally(um.FlaxNnxMnistTrainer):
+  """What the README told users before issue 9: `nnx.Rngs` as `__call__`'s second argument."""
+
+  def model_inputs(self, batch, *, train, rngs):
+    from flax import nnx
+    return (batch[self.input_key], nnx.Rngs(dropout=rngs["dropout"])), {}
+
+
+def test_an_nnx_model_given_rngs_positionally_is_not_given_them_twice():
+  batches = image_batches(2, 16)
+  positional = PassesRngsPositionally(cnn_config()).fit(batches, num_steps=2).state
+  # The trainer's own binding draws from the same stream key: the same run.
+  own = um.FlaxNnxMnistTrainer(cnn_config()).fit(batches, num_steps=2).state
+  for a, b in zip(leaves(positional.params), leaves(own.params), strict=True):
+    np.testing.assert_array_equal(a, b)
+
+
+class JitsItsOwnRngFunction(ClassificationTrainer):
+  """A hook that hands the step's `rngs` to a jitted function of its own."""
+
+  rng_streams = ("dropout", "noise")
+
+  def build_model(self):
+    return um.FlaxStyleNet()
+
+  def model_inputs(self, batch, *, train, rngs):
+    noisy = jax.jit(lambda images, r: images + 0.01 * jax.random.normal(
+        r["noise"], images.shape))(batch["image"], rngs)
+    return (noisy,), {}
+
+
+def test_step_rngs_pass_into_the_users_own_jit_and_a_missing_stream_is_still_named():
+  trainer = JitsItsOwnRngFunction(cnn_config())
+  rngs = trainer.step_rngs(jax.random.PRNGKey(0))
+  leaves_of = jax.tree_util.tree_leaves_with_path(rngs)
+  assert [jax.tree_util.keystr(p) for p, _ in leaves_of] == ["['dropout']", "['noise']"]
+  result = trainer.fit(image_batches(2, 16), num_steps=2)
+  assert np.isfinite(leaves(result.state.params)[0]).all()
+  with pytest.raises(MissingRngStreamError, match=r"RNG stream 'z'"):
+    jax.jit(lambda r: r["z"])(rngs)
+
+
+def _run_example(args, tmp_path, script="examples/mnist_ensemble.py"):
+  import subprocess
+  import sys
+  env = {**os.environ, "TFDS_DATA_DIR": str(tmp_path / "tfds")}
+  env.pop("XLA_FLAGS", None)
+  return subprocess.run([sys.executable, script, *args], cwd=ROOT, env=env,
+                        capture_output=True, text=True, timeout=300)
+
+
+def test_a_workdir_that_is_a_file_is_refused_naming_the_flag_before_data_is_read(tmp_path):
+  afile = tmp_path / "results.txt"
+  afile.write_text("not a directory")
+  for workdir in (afile, afile / "run"):
+    result = _run_example([f"--workdir={workdir}"], tmp_path)
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "FATAL Flags parsing error" in result.stderr
+    assert re.search(r"--workdir=\S*results.txt.*(is a file|cannot be made).*must be a "
+                     r"directory", result.stderr), result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+  assert not (tmp_path / "tfds").exists()  # Nothing was read or prepared.
+  assert afile.read_text() == "not a directory"
+
+
+def test_a_field_that_cannot_be_swept_names_what_can_and_what_to_do(tmp_path):
+  result = _run_example(["--config=configs/mnist_sweep.py", f"--workdir={tmp_path}/w",
+                         "--config.sweep.grid.dropout_rate=0.1,0.2"], tmp_path)
+  assert result.returncode == 1
+  assert re.search(r"--config.sweep.grid.dropout_rate: 'dropout_rate' cannot be swept; the "
+                   r"names a sweep can vary are \['b1', 'ema_decay', 'grad_clip_norm', "
+                   r"'learning_rate', 'momentum', 'warmup_steps', 'weight_decay'\].*module "
+                   r"hyperparameter.*one run per value", result.stderr), result.stderr[-3000:]
+  assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("args,message", [
+    # No --config: ml_collections applies overrides to the default while defining the flag.
+    (["--config.learning_rat=0.1"],
+     r"--config.learning_rat: config has no field 'learning_rat' \(did you mean "
+     r"\['learning_rate'\]\?\)"),
+    (["--config=configs/mnist_sweep.py", "--config.optimizer.name=adam"],
+     r"--config.optimizer.name: config.optimizer is a value, not a section"),
+])
+def test_a_mistyped_override_names_the_field_and_what_is_there(tmp_path, args, message):
+  result = _run_example([*args, f"--workdir={tmp_path}/w"], tmp_path)
+  assert result.returncode == 1
+  assert re.search(message, result.stderr), result.stderr[-3000:]
+  assert "Traceback" not in result.stderr

@@ -101,21 +101,63 @@ def unknown_override(config: ml_collections.ConfigDict, argv: Sequence[str],
   return None
 
 
-def parse_flags(argv: list[str]) -> list[str]:
-  """absl's flag parsing, with an override of a missing config field explained.
+def define_config_file(default: str, help_string: str, *, name: str = "config"):
+  """`ml_collections.config_flags.DEFINE_config_file(name, default, lock_config=True)` for
+  an entry point, with an override of a field the config lacks refused by naming it.
 
-  Use as `absl.app.run(main, flags_parser=parse_flags)`: a bad override then
-  ends the program with `FATAL Flags parsing error: ...` naming the field.
+  ml_collections applies the command line's overrides to the default config while the
+  flag is defined (without `--config`), so that is where such an override fails too.
+  Use with `parse_flags`, which covers an explicit `--config`.
   """
-  from absl import flags
+  import sys
+
+  from ml_collections import config_flags
   try:
-    return flags.FLAGS(argv)
-  except (AttributeError, KeyError) as e:  # ml_collections: an override of a missing field.
-    try:
-      config = flags.FLAGS["config"].value
-    except KeyError:
-      raise e from None
-    error = unknown_override(config, argv) if config is not None else None
+    return config_flags.DEFINE_config_file(name, default, help_string, lock_config=True)
+  except (AttributeError, KeyError, TypeError):
+    error = unknown_override(load_config_file(default), sys.argv, name)
     if error is None:
       raise
-    raise flags.IllegalFlagValueError(str(error)) from e
+    raise SystemExit(f"FATAL Flags parsing error: {error}") from None
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+  """absl's flag parsing (`absl.app.parse_flags_with_usage`), with an override of a field
+  the config lacks refused by naming it.
+
+  Use as `absl.app.run(main, flags_parser=parse_flags)`: such an override then ends
+  the program with `FATAL Flags parsing error: ...` and status 1, as absl's own
+  flag errors do.
+  """
+  from absl import app
+  try:
+    return app.parse_flags_with_usage(argv)
+  except (AttributeError, KeyError, TypeError):  # ml_collections, on a field it lacks.
+    error = unknown_override(_config_file(argv), argv)
+    if error is None:
+      raise
+    raise SystemExit(f"FATAL Flags parsing error: {error}") from None
+
+
+def _config_file(argv: Sequence[str], flag: str = "config") -> ml_collections.ConfigDict:
+  """The config `--config` names in `argv` (else the flag's default), loaded again: absl
+  had not stored it when an override failed."""
+  from absl import flags
+  path = flags.FLAGS[flag].default
+  for i, arg in enumerate(argv):
+    if arg.startswith(f"--{flag}="):
+      path = arg.split("=", 1)[1]
+    elif arg == f"--{flag}" and i + 1 < len(argv):
+      path = argv[i + 1]
+  return load_config_file(path)
+
+
+def load_config_file(path: str) -> ml_collections.ConfigDict:
+  """`get_config()` of a config file, or `get_config(arg)` for `path:arg`, as
+  `config_flags` loads it."""
+  import importlib.util
+  file, _, arg = path.partition(":")
+  spec = importlib.util.spec_from_file_location("_checked_config_file", file)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config(arg) if arg else module.get_config()

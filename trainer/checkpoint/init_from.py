@@ -282,6 +282,7 @@ def plan(config: ml_collections.ConfigDict, source: Source, new: Flat, *,
   rule_used = [False] * len(rules)
   mapped: dict[str, dict[str, str]] = {}
   fresh: dict[str, list[str]] = {}
+  mismatched: list[str] = []
   for c, paths in new.items():
     old = source.arrays.get(c, {})
     for path, want in paths.items():
@@ -311,11 +312,14 @@ def plan(config: ml_collections.ConfigDict, source: Source, new: Flat, *,
       have = source.arrays[c][old_path]
       have = have[1:] if saved_members else have
       if tuple(have) != tuple(want.shape):
-        raise ValueError(
-            f"config.init_from: {c} path {path!r} has shape {tuple(want.shape)} in the new "
-            f"model but {old_path!r} has shape {tuple(have)} in {source.description}; map "
-            f"another path, or leave it fresh with config.init_from.fresh.")
+        mismatched.append(f"{c} path {path!r} has shape {tuple(want.shape)} in the new model "
+                          f"but {old_path!r} has shape {tuple(have)} in {source.description}")
       mapped.setdefault(c, {})[path] = old_path
+  if mismatched:
+    raise ValueError(
+        f"config.init_from: {len(mismatched)} variable(s) of the new model differ in shape "
+        f"from the ones the rules map them to; map other paths, or leave them fresh with "
+        f"config.init_from.fresh:\n  " + "\n  ".join(mismatched))
   all_paths = sorted(f"{c}:{p}" if c != "params" else p for c, ps in new.items() for p in ps)
   for i, used in enumerate(rule_used):
     if not used:

@@ -75,7 +75,9 @@ def prepare(name: str, data_dir: str | None, manual_dir: str | None,
   """Returns a TFDS builder whose data is prepared, offline if `manual_dir` is set.
 
   `file_format` None takes the dataset in the format it was prepared in
-  (`load_split` reads both), and prepares a new one as tfrecord.
+  (`load_split` reads both), and prepares a new one as array_record, the
+  format every pipeline reads (Grain needs it), so the commands of several
+  pipelines work in any order on one data directory.
 
   On a multi-process run process 0 prepares while the others wait, then they
   open what it wrote (`data_dir` must be shared, as a cluster's file system is).
@@ -96,13 +98,17 @@ def prepare(name: str, data_dir: str | None, manual_dir: str | None,
 
 
 def _builder(name: str, data_dir: str | None, file_format: str | None):
-  """A TFDS builder that prepares (or finds) `name` in `file_format` (None: any).
+  """A TFDS builder that prepares (or finds) `name` in `file_format` (None: as prepared,
+  else array_record).
 
   Raises:
     ValueError: `data_dir` already holds the dataset in the other format.
   """
   if file_format is None:
-    return tfds.builder(name, data_dir=data_dir or None)
+    builder = tfds.builder(name, data_dir=data_dir or None)
+    if builder.is_prepared():
+      return builder
+    file_format = "array_record"
   try:
     return tfds.builder(name, data_dir=data_dir or None, file_format=file_format)
   except ValueError as e:

@@ -66,13 +66,24 @@ class MissingRngStreamError(ValueError):
 
 
 class RngStreams(dict):
-  """The keys of one step's RNG streams; a missing stream names `Trainer.rng_streams`."""
+  """The keys of one step's RNG streams; a missing stream names `Trainer.rng_streams`.
+
+  A pytree like a dict (its keys sorted), so a hook can pass it into its own
+  `jax.jit` function; inside, a missing stream raises the same error.
+  """
 
   def __missing__(self, name):
     raise MissingRngStreamError(
         f"the model asked for RNG stream {name!r}, but the trainer draws only "
         f"{sorted(k for k in self if k != 'params')}: add {name!r} to the Trainer "
         f"subclass's rng_streams (e.g. rng_streams = {(*sorted(self), name)!r}).")
+
+
+jax.tree_util.register_pytree_with_keys(
+    RngStreams,
+    lambda streams: ([(jax.tree_util.DictKey(k), streams[k]) for k in sorted(streams)],
+                     tuple(sorted(streams))),
+    lambda names, keys: RngStreams(zip(names, keys, strict=True)))
 
 
 def _mode_value(name: str, train: bool) -> bool:
@@ -287,7 +298,7 @@ class NnxVariables(ModelVariables):
     self._factory = factory
     self._sync_batchnorm = sync_batchnorm
     self._remat = remat
-    self._call_takes_rngs: bool | None = None  # Known once a module exists.
+    self._call: inspect.Signature | None = None  # `__call__`'s, known once a module exists.
 
   @property
   def module(self) -> Callable[..., nnx.Module]:
@@ -305,9 +316,20 @@ class NnxVariables(ModelVariables):
       for _, module in nnx.iter_modules(model):
         if isinstance(module, nnx.BatchNorm) and module.axis_name is None:
           module.axis_name = BATCH_AXIS
-    if self._call_takes_rngs is None:
-      self._call_takes_rngs = "rngs" in inspect.signature(type(model).__call__).parameters
+    if self._call is None:
+      self._call = inspect.signature(type(model).__call__)
     return model
+
+  def _takes_rngs(self, model: nnx.Module, args: tuple, kwargs: dict) -> bool:
+    """Whether `__call__` takes `rngs` and `model_inputs` left it unbound (neither passed
+    it by keyword nor, positionally, filled its place)."""
+    if "rngs" not in self._call.parameters or "rngs" in kwargs:
+      return False
+    try:
+      bound = self._call.bind_partial(model, *args, **kwargs)
+    except TypeError:
+      return False  # Arguments `__call__` cannot take: the call itself says so.
+    return "rngs" not in bound.arguments
 
   @staticmethod
   def _split(model: nnx.Module) -> tuple[dict, dict]:
@@ -335,7 +357,7 @@ class NnxVariables(ModelVariables):
         if isinstance(module, nnx.BatchNorm) and module.axis_name is None:
           raise _batch_norm_error("/".join(map(str, path)))
     args, kwargs = inputs
-    if self._call_takes_rngs and "rngs" not in kwargs:  # Flax's NNX examples: __call__(x, rngs)
+    if self._takes_rngs(model, args, kwargs):  # Flax's NNX examples: __call__(x, rngs).
       kwargs = {**kwargs, "rngs": nnx.Rngs(**_with_default(rngs))}
     remat = self._remat if train else None
     if remat and remat.modules:
