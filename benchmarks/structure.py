@@ -1,5 +1,7 @@
 r"""The shape of the code, side by side with an earlier revision: class and function sizes,
-import cycles, config fields read with a fallback default, and the layout of `trainer/`.
+the Trainer's layout (its hooks come before `__init__`), the longest function on a run's
+path (`Trainer.fit`, `trainer/run/`, the loop's driver; docstrings included), import cycles,
+config fields read with a fallback default, and the layout of `trainer/`.
 
     python benchmarks/structure.py --before ad45b18
 
@@ -58,9 +60,27 @@ def _cycles(root: pathlib.Path) -> list[tuple[str, ...]]:
   return sorted(found)
 
 
+#: The modules a run goes through once `Trainer.fit` hands it on (and `Trainer.fit` itself).
+RUN_PATH = ("trainer/run/", "trainer/loop/driver.py")
+
+
+def _size(node: ast.AST) -> int:
+  return node.end_lineno - node.lineno + 1
+
+
+def _trainer_layout(root: pathlib.Path) -> tuple[int, int, str]:
+  """`(methods before __init__, methods, fit's size)` of the Trainer class."""
+  tree = ast.parse((root / "trainer" / "trainer.py").read_text())
+  cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Trainer")
+  methods = [n for n in cls.body if isinstance(n, ast.FunctionDef)]
+  first = next(i for i, m in enumerate(methods) if m.name == "__init__")
+  return first, len(methods), next(_size(m) for m in methods if m.name == "fit")
+
+
 def measure(root: pathlib.Path) -> dict[str, str]:
-  classes, functions = [], []
+  classes, functions, run_path = [], [], []
   for path in _files(root):
+    on_run_path = any(str(path.relative_to(root)).startswith(p) for p in RUN_PATH)
     for node in ast.walk(ast.parse(path.read_text())):
       size = getattr(node, "end_lineno", 0) - getattr(node, "lineno", 0) + 1
       if isinstance(node, ast.ClassDef):
@@ -68,6 +88,10 @@ def measure(root: pathlib.Path) -> dict[str, str]:
         classes.append((size, methods, node.name))
       elif isinstance(node, ast.FunctionDef):
         functions.append((size, node.name))
+        if on_run_path:
+          run_path.append((size, f"{path.relative_to(root)}:{node.name}"))
+  before_init, methods, fit = _trainer_layout(root)
+  run_path.append((fit, "Trainer.fit"))
   by_name = {name: (size, methods) for size, methods, name in classes}
   fallbacks = sum(len(re.findall(r"\b(?:config|c|s|mp|early|profile)\.get\(", p.read_text()))
                   for p in _files(root) + sorted((root / "examples").glob("*.py")))
@@ -77,6 +101,8 @@ def measure(root: pathlib.Path) -> dict[str, str]:
   fn_size, fn_name = max(functions)
   return {
       "Trainer class (lines, methods)": "{} lines, {} methods".format(*by_name["Trainer"]),
+      "Trainer methods before __init__": f"{before_init} of {methods}",
+      "run path: longest function": "{1}: {0} lines".format(*max(run_path)),
       "largest class": f"{name}: {size} lines, {methods} methods",
       "largest function": f"{fn_name}: {fn_size} lines",
       "Strategy base (lines, methods)": "{} lines, {} methods".format(*by_name["Strategy"]),

@@ -33,7 +33,7 @@ class ResNetBlock(nn.Module):
 
 
 class ResNet(nn.Module):
-  """3x3 stem, then stages of `ResNetBlock`s (stride 2 between stages), mean-pool, dense.
+  """3x3 stem, then stages of `ResNetBlock` modules (stride 2 between stages), mean-pool, dense.
 
   Attributes:
     stage_sizes: blocks per stage; stage i has `num_filters * 2**i` channels.

@@ -210,7 +210,7 @@ class Strategy(abc.ABC):
 
   @abc.abstractmethod
   def checkpoint_target(self, abstract_state: PyTree) -> PyTree:
-    """Where restored arrays go: `ShapeDtypeStruct`s with this strategy's shardings.
+    """Where restored arrays go: a `ShapeDtypeStruct` per leaf, with this strategy's shardings.
 
     Args:
       abstract_state: the abstract state of ONE model (`jax.eval_shape` of the

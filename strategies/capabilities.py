@@ -113,7 +113,7 @@ def restore_member(read: Callable[[PyTree], PyTree], target: PyTree, *, num_save
   """Member `member` of a saved ensemble of `num_saved`, placed like `target` (one model).
 
   Args:
-    read: restores the saved arrays into a tree of `ShapeDtypeStruct`s.
+    read: restores the saved arrays into a tree of `ShapeDtypeStruct` leaves.
     target: a single-model strategy's `checkpoint_target`.
   """
   device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])

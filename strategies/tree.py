@@ -27,7 +27,8 @@ def keypath_str(path: tuple, *, drop_box: bool = False) -> str:
 
 def abstract_with_sharding(abstract: PyTree, sharding: jax.sharding.Sharding,
                            leading: tuple[int, ...] = ()) -> PyTree:
-  """`ShapeDtypeStruct`s of `abstract`'s leaves, `leading` axes prepended, on `sharding`."""
+  """A `ShapeDtypeStruct` for each of `abstract`'s leaves: `leading` axes prepended, on
+  `sharding`."""
   return jax.tree.map(
       lambda x: jax.ShapeDtypeStruct(leading + tuple(x.shape), x.dtype, sharding=sharding),
       abstract)

@@ -21,12 +21,12 @@ os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
                       os.path.join(tempfile.gettempdir(), "flax_trainer_tests_jax_cache"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.1")
 
+import doc_commands  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import ml_collections  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
-import readme_commands  # noqa: E402
 
 import models  # noqa: E402
 from configs import mlp_sharded, mnist_ensemble  # noqa: E402
@@ -116,16 +116,16 @@ def _eight_devices():
   assert jax.device_count() == NUM_DEVICES, "fake CPU devices were not configured"
 
 
-# -- The README's commands (tests/readme_commands.py) ----------------------------------------
+# -- The documented commands (tests/doc_commands.py) ------------------------------------------
 
 
 @pytest.fixture(scope="session")
-def readme_runner(tmp_path_factory):
-  """Runs README commands under one root, shared by the workers of `pytest -n` (xdist)."""
+def doc_runner(tmp_path_factory):
+  """Runs documented commands under one root, shared by the workers of `pytest -n` (xdist)."""
   base = tmp_path_factory.getbasetemp()
-  root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "readme"
+  root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "doc_commands"
   root.mkdir(exist_ok=True)
-  return readme_commands.Runner(root=root, data_dir=root / "tfds")
+  return doc_commands.Runner(root=root, data_dir=root / "tfds")
 
 
 @dataclasses.dataclass
@@ -136,7 +136,7 @@ class RealMnistRun:
 
 
 @pytest.fixture(scope="session")
-def real_mnist_run(readme_runner) -> RealMnistRun:
+def real_mnist_run(doc_runner) -> RealMnistRun:
   """The README's first command on the real MNIST files, 200 steps, once per session.
 
   Installing is what CI's own `.ci/run` does; this runs what the command
@@ -144,23 +144,23 @@ def real_mnist_run(readme_runner) -> RealMnistRun:
   the IDX files, so TFDS prepares MNIST from them (into the session's
   TFDS_DATA_DIR, which the README's later commands then read).
   """
-  if not all((readme_commands.MNIST_DIR / f).is_file()
+  if not all((doc_commands.MNIST_DIR / f).is_file()
              for f in data_lib.MNIST_FILES):
     if os.environ.get("CI") == "true":
-      pytest.fail(f"the real MNIST files are missing from {readme_commands.MNIST_DIR}; CI "
+      pytest.fail(f"the real MNIST files are missing from {doc_commands.MNIST_DIR}; CI "
                   f"must run the README's first command on them")
-    pytest.skip(f"real MNIST files not found in {readme_commands.MNIST_DIR}")
-  command = next(c for c in readme_commands.commands() if "pip install" in c
-                 and readme_commands.script_of(c) == "examples/mnist_ensemble.py")
-  workdir = readme_runner.path(re.search(r"--workdir=/tmp/(\S+)", command).group(1))
+    pytest.skip(f"real MNIST files not found in {doc_commands.MNIST_DIR}")
+  command = next(c for c in doc_commands.commands() if "pip install" in c
+                 and doc_commands.script_of(c) == "examples/mnist_ensemble.py")
+  workdir = doc_runner.path(re.search(r"--workdir=/tmp/(\S+)", command).group(1))
   # Under `pytest -n`, the first worker to get here runs it; the others wait and read its result.
-  with open(readme_runner.root / "real_mnist.lock", "w") as lock:
+  with open(doc_runner.root / "real_mnist.lock", "w") as lock:
     fcntl.flock(lock, fcntl.LOCK_EX)
-    saved = readme_runner.root / "real_mnist.json"
+    saved = doc_runner.root / "real_mnist.json"
     if saved.exists():
       result = subprocess.CompletedProcess(**json.loads(saved.read_text()))
     else:
-      result = readme_runner.run(command, extra=["--config.num_train_steps=200",
+      result = doc_runner.run(command, extra=["--config.num_train_steps=200",
                                                  "--config.log_every_steps=50"])
       saved.write_text(json.dumps({"args": result.args, "returncode": result.returncode,
                                    "stdout": result.stdout, "stderr": result.stderr}))
@@ -173,7 +173,8 @@ def real_mnist_run(readme_runner) -> RealMnistRun:
 #: the workers in collection order, so starting with these keeps both workers busy to the end
 #: (the README's MNIST commands first: their worker runs the real-MNIST fixture while the other
 #: runs the rest of the README).
-LONGEST_FIRST = ("test_readme_mnist.py", "test_readme.py", "test_multiprocess.py",
+LONGEST_FIRST = ("test_doc_commands_mnist.py", "test_doc_commands.py", "test_docs.py",
+                 "test_multiprocess.py",
                  "test_research_models.py", "test_ensemble.py", "test_recipe.py",
                  "test_checkpoint.py", "test_equivalence.py")
 

@@ -6,7 +6,7 @@ import shutil
 import numpy as np
 import pytest
 import tensorflow_datasets as tfds
-from readme_commands import MNIST_DIR
+from doc_commands import MNIST_DIR
 
 from trainer import data
 
@@ -119,9 +119,9 @@ def test_the_grain_pipeline_refuses_a_dataset_prepared_as_tfrecord(tmp_path):
     data.prepare("mnist", str(tmp_path), str(MNIST_DIR), file_format="array_record")
 
 
-def test_split_slices_and_unknown_splits(real_mnist_run, readme_runner):
+def test_split_slices_and_unknown_splits(real_mnist_run, doc_runner):
   # MNIST as the README's first command prepared it (mock_data ignores slices).
-  builder = tfds.builder("mnist", data_dir=str(readme_runner.data_dir))
+  builder = tfds.builder("mnist", data_dir=str(doc_runner.data_dir))
   part = data.load_split(builder, "test[:1000]")
   assert len(part) == 1000
   np.testing.assert_array_equal(part.labels, data.load_split(builder, "test").labels[:1000])

@@ -37,7 +37,7 @@ def _example_env():
   return env
 
 
-def test_real_mnist_ensemble_through_the_entry_point(real_mnist_run, readme_runner):
+def test_real_mnist_ensemble_through_the_entry_point(real_mnist_run, doc_runner):
   """The README's first command, 200 steps on the real files (see conftest.real_mnist_run)."""
   result, workdir = real_mnist_run.result, real_mnist_run.workdir
   assert result.returncode == 0, result.stderr[-5000:]
@@ -71,7 +71,7 @@ def test_real_mnist_ensemble_through_the_entry_point(real_mnist_run, readme_runn
   assert {"train/loss", "eval/ensemble_accuracy", "eval/ensemble_ece"} <= tags
   # TFDS prepared MNIST from the IDX files into the configured data_dir, as the array_record
   # files that the default pipeline (Grain over tfds.data_source) streams.
-  assert list((readme_runner.data_dir / "mnist").glob("*/mnist-train.array_record*"))
+  assert list((doc_runner.data_dir / "mnist").glob("*/mnist-train.array_record*"))
 
 
 @pytest.fixture(scope="module")

@@ -2,14 +2,14 @@
 
 import pathlib
 
-import readme_commands
+import doc_commands
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def test_ci_runs_the_readme_test_command_exactly():
-  commands = readme_commands.commands()
-  test_commands = [c for c in commands if readme_commands.is_test_command(c)]
+  commands = doc_commands.commands()
+  test_commands = [c for c in commands if doc_commands.is_test_command(c)]
   assert len(test_commands) == 1, commands
   ci_script = (ROOT / ".ci" / "run").read_text().splitlines()
   assert test_commands[0] in ci_script

@@ -28,7 +28,7 @@ class CalibrationError(metrics.Metric):
   """Expected calibration error over `ECE_BINS` equal-width confidence bins.
 
   An example's confidence is its largest probability; it falls in bin b when
-  b/B < confidence <= (b+1)/B. ECE = sum_b |correct_b - confidence_b| / N,
+  b/B < confidence <= (b+1)/B. ECE = `sum_b |correct_b - confidence_b| / N`,
   where correct_b and confidence_b are sums over the examples in bin b. The
   per-bin sums merge exactly across batches, devices and steps.
   """

@@ -54,6 +54,8 @@ Batch = Mapping[str, Any]
 PyTree = Any
 
 #: Attributes and methods the Trainer no longer has, and where each went.
+#:
+#: :meta hide-value:
 MOVED = {
     "finish_sweep": "trainer.sweep.summarize (the sweep's report calls it at a run's end)",
     "export_member": "trainer.sweep.export_member(state, member, directory, "
@@ -324,23 +326,17 @@ class Trainer(abc.ABC):
           workdir: str | None = None) -> FitResult:
     """Trains until `state.step == num_steps` (or an action stops it), running
     `default_actions` and then `actions` (before the checkpoint): `trainer.run.Runner.fit`.
-
-    With a `checkpointer` whose directory holds a complete checkpoint, the run
-    resumes from the latest one (state, data position, actions' state; no flag).
+    With a `checkpointer` that holds a complete checkpoint, it resumes from the latest.
 
     Args:
-      train_batches: `start_step -> iterable of host batches`, where batch i is
-        the batch for step `start_step + i` (needed to resume), or an iterable
-        consumed one batch per step from the state's current step. Each batch
-        holds this process's rows (`strategy.process_slice(batch_size)`). An
-        iterator with `get_state`/`set_state` (Grain's) has its position saved
-        with each checkpoint. Or a `trainer.data.DeviceData` that lives on the
-        devices (`config.data.pipeline = "device"`): its position is the step.
+      train_batches: `start_step -> iterable of host batches` (what a resumed run
+        needs: batch i is step `start_step + i`'s), an iterable of host batches,
+        or a `trainer.data.DeviceData` on the devices (`trainer.run.start.TrainData`).
+        Each host batch holds this process's rows (`strategy.process_slice`).
       num_steps: the step to stop at.
       state: the state to continue from; else restored from `checkpointer`,
         else created from `config.seed`.
-      eval_batches: returns a fresh iterable of eval batches for each evaluation
-        (every `eval_every_steps` and at the last step).
+      eval_batches: returns a fresh iterable of eval batches for each evaluation.
       writer: where scalars go; console logging if None.
       checkpointer: where checkpoints are saved and resumed from.
       actions: the user's actions (`trainer.Action`).
@@ -351,10 +347,8 @@ class Trainer(abc.ABC):
       step's FLOPs.
 
     Raises:
-      ValueError: a train batch without `config.batch_size` examples (before its
-        step), a hook output of the wrong shape (before training), or `num_steps`
-        past a decaying schedule.
-      BatchKeyError: a hook reads a batch entry the batch does not have.
+      ValueError: a batch, a hook's output or `num_steps` that cannot work, before
+        the step it would break.
       NonFiniteError: a non-finite loss or gradient norm under `nonfinite='stop'`.
       CheckpointError: a checkpoint could not be read, restored or written.
     """

@@ -333,7 +333,7 @@ class Checkpointer:
     """Restores checkpoint `step` into the structure of `target`.
 
     Args:
-      target: a pytree of `jax.ShapeDtypeStruct`s carrying the shardings the
+      target: a pytree of `jax.ShapeDtypeStruct` leaves carrying the shardings the
         restored arrays must have (its state dict is what is read).
 
     Raises:

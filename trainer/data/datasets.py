@@ -28,14 +28,15 @@ from trainer.data.device import DeviceData, as_float_images
 #: Where `data.manual_dir` comes from when the config leaves it empty.
 MANUAL_DIR_ENV = "TFDS_MANUAL_DIR"
 
-# The original IDX files of MNIST (what TFDS's mnist builder downloads), with
-# their magic number and the shape each one must hold.
+#: The original IDX files of MNIST (what TFDS's mnist builder downloads), with
+#: their magic number and the shape each one must hold.
 MNIST_FILES = {
     "train-images-idx3-ubyte.gz": (2051, (60000, 28, 28)),
     "train-labels-idx1-ubyte.gz": (2049, (60000,)),
     "t10k-images-idx3-ubyte.gz": (2051, (10000, 28, 28)),
     "t10k-labels-idx1-ubyte.gz": (2049, (10000,)),
 }
+#: The files a dataset's manual directory must hold, by dataset name (checked before TFDS).
 MANUAL_FILES = {"mnist": MNIST_FILES}
 
 

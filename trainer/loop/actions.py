@@ -78,7 +78,7 @@ class StepView:
   eval_seconds: float = 0.0
   data_state: Any = None
   canonical: Callable[[PyTree], PyTree] = lambda tree: tree
-  action_states: Callable[[], Mapping[str, Any]] = dict
+  action_states: Callable[[], Mapping[str, Any]] = lambda: {}
   flops: Any = None
   tokens_per_step: int | None = None
 

@@ -112,22 +112,17 @@ def run(advance: Advance, *, state: Any, start: int, num_steps: int,
         canonical: Callable[[PyTree], PyTree] = lambda tree: tree,
         steps_axis: int | None = None, clock: LoopClock | None = None,
         flops: Any = None, tokens_per_step: int | None = None) -> FitResult:
-  """Advances from `start` until `num_steps` (or a requested stop), running the actions.
+  """Advances from `start` until `num_steps` (or a requested stop), running the actions:
+  each one's `begin` before the first call, `run` after each call at which it triggers,
+  `end` after the last call, and `close` always, last, also after an error.
 
-  Each action's `begin` runs before the first call, its `run` after each call
-  at which it triggers, its `end` after the last call, and its `close`
-  always, last, also after an error. `clock` accounts the wall time: each call
-  as `train`, or `compile` where `advance.compiles_at(step)` says the call
-  compiles; each action by its `time_category`; the rest as `other`.
-  `steps_axis`, `flops` and `tokens_per_step` are what every view says of the
-  calls (`StepView`); the result carries `flops` too (`FitResult.step_flops`).
+  `clock` accounts each call as `train` (or `compile`: `advance.compiles_at(step)`), each
+  action by its `time_category`, the rest as `other`. The other arguments go into views.
   """
   clock = clock or LoopClock()
   result = FitResult(state=state, step=start, step_flops=flops)
   view = StepView(step=start, previous_step=start, num_steps=num_steps, start_step=start,
-                  state=state, canonical=canonical,
-                  action_states=lambda: {a.name: s for a in actions
-                                         if (s := a.state_dict()) is not None},
+                  state=state, canonical=canonical, action_states=_states_of(actions),
                   steps_axis=steps_axis, flops=flops, tokens_per_step=tokens_per_step)
   compiles_at = getattr(advance, "compiles_at", lambda step: False)
   begun: list[Action] = []
@@ -152,6 +147,11 @@ def run(advance: Advance, *, state: Any, start: int, num_steps: int,
   result.state, result.step = view.state, view.step
   result.stopped_by, result.skipped_steps = view.stop_reason, view.skipped_steps
   return result
+
+
+def _states_of(actions: Sequence[Action]) -> Callable[[], dict[str, Any]]:
+  """`() -> {name: state}` of the actions that keep one (what a checkpoint saves)."""
+  return lambda: {a.name: s for a in actions if (s := a.state_dict()) is not None}
 
 
 def _act(method: Callable[[StepView], Produced | None], action: Action, view: StepView,

@@ -24,7 +24,14 @@ from trainer.run.state import States
 
 Batch = Mapping[str, Any]
 PyTree = Any
-#: What `fit` takes as train data: `start_step -> batches`, batches, or a device dataset.
+#: What `fit` takes as train data. `start_step -> iterable of host batches`, where batch i
+#: is the batch for step `start_step + i` (needed to resume); or an iterable consumed one
+#: batch per step from the state's current step. Each batch holds this process's rows
+#: (`strategy.process_slice(batch_size)`: all of them on one process). An iterator with
+#: `get_state`/`set_state` (Grain's) has its position saved with each checkpoint and
+#: restored on resume. Or a `trainer.data.DeviceData` (`config.data.pipeline = "device"`):
+#: the split is placed on the devices and each step gathers its batch in the compiled
+#: call; its position is the step.
 TrainData = Callable[[int], Iterable[Batch]] | Iterable[Batch] | DeviceData
 
 

@@ -284,7 +284,7 @@ def _with_default(rngs: Rngs) -> dict[str, jax.Array]:
 
 
 class NnxVariables(ModelVariables):
-  """An NNX module built by `factory(rngs=nnx.Rngs(...))`: `nnx.Param`s as params, the rest
+  """An NNX module built by `factory(rngs=nnx.Rngs(...))`: `nnx.Param` variables as params, the rest
   (e.g. `BatchStat`) except RNG state as `model_state`.
 
   RNG streams never live in the train state: each step rebuilds the module from

@@ -1,10 +1,13 @@
-"""The README's shell commands, and how the tests run each of them with few steps.
+"""The shell commands of the README and the docs, and how the tests run each with few steps.
 
-A command is a line of a ```bash block (lines ending in `\\` continue).
-`Runner` runs one as a user would from the repository root: the README's
-`.venv/bin/...` programs are this interpreter's, paths under `/tmp/` move into
-a test directory, and flags that cut the run short (few steps, a slice of
-MNIST) are appended, so the rest of the command line is exactly the README's.
+A command is a line of a ```bash block (lines ending in `\\` continue), in
+`README.md` or a page under `docs/`; a command that appears in several places
+is run once. `Runner` runs one as a user would from the repository root: the
+README's `.venv/bin/...` programs are this interpreter's, paths under `/tmp/`
+move into a test directory, and flags that cut the run short (few steps, a
+slice of MNIST) are appended, so the rest of the command line is exactly the
+documented one. What a command runs is what comes after its install steps
+(`python3 -m venv`, `pip install`), which CI's own install stands in for.
 """
 
 from __future__ import annotations
@@ -24,11 +27,14 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
+#: Every page whose commands the tests run: the README, then the docs' pages in order.
+PAGES = (README, *sorted((ROOT / "docs").rglob("*.md")))
 MNIST_DIR = ROOT.parent / "shared" / "data" / "mnist"
 BIN = pathlib.Path(sys.executable).parent
 
-#: Flags appended to a script's README command so that it runs in seconds.
+#: Flags appended to a script's documented command so that it runs in seconds.
 FEW_STEPS = {
+    "examples/my_trainer.py": [],  # 100 steps of a tiny MLP: seconds as written.
     "examples/mnist_ensemble.py": [
         "--config.num_train_steps=2", "--config.log_every_steps=1",
         "--config.data.train_split=train[:512]", "--config.data.eval_split=test[:600]"],
@@ -62,6 +68,7 @@ FEW_STEPS = {
 
 #: What a script's standard output shows when it did its job.
 EXPECTED_OUTPUT = {
+    "examples/my_trainer.py": r"^\w+: loss=\d+\.\d{4}$",
     "examples/mnist_ensemble.py": r"(^|\s)(ensemble_)?accuracy=\d\.\d{4}",
     "examples/transformer_lm.py": r"(^|\s)loss=\d+\.\d{4}",
     "benchmarks/strategy_step_time.py": r"pmap_ensemble\s+8\s+\d",
@@ -79,20 +86,29 @@ EXPECTED_OUTPUT = {
 }
 
 
-def commands() -> list[str]:
-  """Every command line of the README's bash blocks, in order."""
-  text = README.read_text()
+def page_commands(page: pathlib.Path) -> list[str]:
+  """Every command line of a page's bash blocks, in order."""
   lines = []
-  for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S):
+  for block in re.findall(r"```bash\n(.*?)```", page.read_text(), flags=re.S):
     for line in re.sub(r"\\\n\s*", " ", block).splitlines():
       if line.strip() and not line.lstrip().startswith("#"):
         lines.append(" ".join(line.split()))
   return lines
 
 
+def commands(pages=PAGES) -> list[str]:
+  """Every command of the README and the docs, each once, in the order they appear."""
+  return list(dict.fromkeys(c for page in pages for c in page_commands(page)))
+
+
 def is_test_command(command: str) -> bool:
   """The README's test command: CI runs it (`.ci/run`), so no test runs it again."""
   return "-m pytest" in command
+
+
+def is_docs_command(command: str) -> bool:
+  """The command that builds (and serves) the docs: `tests/test_docs.py` runs it."""
+  return "sphinx-build" in command
 
 
 def script_of(command: str) -> str | None:
@@ -101,25 +117,33 @@ def script_of(command: str) -> str | None:
   return match.group(1) if match else None
 
 
+def steps(command: str) -> list[str]:
+  """What a command runs once it has installed: its `&&` steps after the install ones."""
+  parts = [p.strip() for p in command.split("&&")]
+  return [p for p in parts if not (p.startswith("python3 -m venv") or " install " in f" {p} ")]
+
+
 def last_step(command: str) -> str:
-  """What a command runs once it has installed: the part after its last `&&`."""
-  return command.split("&&")[-1].strip()
+  """The command's last step (what it is for: an example, a benchmark, a server)."""
+  return steps(command)[-1]
 
 
 @dataclasses.dataclass
 class Runner:
-  """Runs README commands from the repository root with their `/tmp/` paths under `root`."""
+  """Runs documented commands from the repository root with their `/tmp/` paths under `root`."""
 
   root: pathlib.Path
   data_dir: pathlib.Path  # TFDS_DATA_DIR: where the first command prepares MNIST.
 
-  def path(self, readme_path: str) -> pathlib.Path:
-    """Where a README `/tmp/...` path lives in this test run."""
-    return self.root / readme_path.removeprefix("/tmp/")
+  def path(self, documented: str) -> pathlib.Path:
+    """Where a documented `/tmp/...` path lives in this test run."""
+    return self.root / documented.removeprefix("/tmp/")
 
-  def argv(self, command: str, extra: list[str] | None = None) -> list[str]:
-    program, *args = shlex.split(last_step(command))
-    # Only the README's own arguments move: this interpreter may itself live under /tmp/.
+  def argv(self, command: str, extra: list[str] | None = None, step: str | None = None
+           ) -> list[str]:
+    """The argv of `step` (default: the command's last), paths moved, `extra` appended."""
+    program, *args = shlex.split(step or last_step(command))
+    # Only the command's own arguments move: this interpreter may itself live under /tmp/.
     args = [re.sub(r"(^|=)/tmp/(\S*)", lambda m: m.group(1) + str(self.path(m.group(2))), a)
             for a in args]
     if program.startswith(".venv/bin/"):
@@ -135,18 +159,19 @@ class Runner:
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     return env
 
-  def run(self, command: str, extra: list[str] | None = None,
-          timeout: float = 900) -> subprocess.CompletedProcess:
-    """Runs `command` (its python part) with `extra` flags, or the few-step ones."""
-    return subprocess.run(self.argv(command, extra), cwd=ROOT, env=self.env(),
+  def run(self, command: str, extra: list[str] | None = None, timeout: float = 900,
+          step: str | None = None) -> subprocess.CompletedProcess:
+    """Runs `step` of `command` (default: its last) with `extra` flags, or the few-step
+    ones."""
+    return subprocess.run(self.argv(command, extra, step), cwd=ROOT, env=self.env(),
                           capture_output=True, text=True, timeout=timeout)
 
-  def popen(self, command: str, extra: list[str]) -> subprocess.Popen:
-    return subprocess.Popen(self.argv(command, extra), cwd=ROOT, env=self.env(),
+  def popen(self, command: str, extra: list[str], step: str | None = None) -> subprocess.Popen:
+    return subprocess.Popen(self.argv(command, extra, step), cwd=ROOT, env=self.env(),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-# -- Running them in tests (tests/test_readme.py, tests/test_readme_mnist.py) ------------------
+# -- Running them in tests (tests/test_doc_commands.py, tests/test_doc_commands_mnist.py) ------
 
 
 def reads_real_mnist(command: str) -> bool:
@@ -156,8 +181,9 @@ def reads_real_mnist(command: str) -> bool:
 
 
 def runnable() -> list[str]:
-  """Every README command a test runs: all but the test command (CI runs that)."""
-  return [c for c in commands() if not is_test_command(c)]
+  """Every command `run_and_check` runs: all but the test command (CI runs that) and the
+  docs command (`tests/test_docs.py` builds, serves and opens the docs with it)."""
+  return [c for c in commands() if not is_test_command(c) and not is_docs_command(c)]
 
 
 def command_id(command: str) -> str:
@@ -165,16 +191,16 @@ def command_id(command: str) -> str:
 
 
 def run_and_check(command: str, runner: Runner) -> None:
-  """Runs a README command with few steps (or serves TensorBoard) and checks its output."""
+  """Runs a documented command with few steps (or serves TensorBoard) and checks its output."""
   if script_of(command):
     script = script_of(command)
-    assert script in FEW_STEPS, f"no few-step flags for {script} in readme_commands.py"
+    assert script in FEW_STEPS, f"no few-step flags for {script} in doc_commands.py"
     result = runner.run(command)
   elif last_step(command).startswith(".venv/bin/tensorboard"):
     _serves_the_logged_scalars(command, runner)
     return
   else:
-    pytest.fail(f"README command {command!r} has no runner in tests/readme_commands.py")
+    pytest.fail(f"documented command {command!r} has no runner in tests/doc_commands.py")
   check(command, result)
 
 
@@ -191,7 +217,7 @@ def check(command: str, result: subprocess.CompletedProcess) -> None:
 
 
 def _serves_the_logged_scalars(command, runner):
-  """Starts the README's TensorBoard on a free loopback port and reads the run's tags."""
+  """Starts the documented TensorBoard on a free loopback port and reads the run's tags."""
   logdir = runner.path(re.search(r"--logdir\s+/tmp/(\S+)", command).group(1))
   assert list(logdir.glob("events.out.tfevents.*")), f"no event file in {logdir}"
   server = runner.popen(command, extra=["--port", "0"])

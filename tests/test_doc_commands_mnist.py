@@ -1,4 +1,4 @@
-"""The README's commands that read MNIST, run as written with few steps.
+"""The documented commands that read MNIST, run as written with few steps.
 
 The README's first command (install, then train the flagship ensemble on the
 real MNIST files) runs once per session with 200 steps (`real_mnist_run`,
@@ -7,14 +7,14 @@ directory the later commands read, as it would for a user. TensorBoard serves
 that run's logs.
 """
 
+import doc_commands as docs
 import pytest
-import readme_commands as readme
 
 
-@pytest.mark.parametrize("command", [c for c in readme.runnable() if readme.reads_real_mnist(c)],
-                         ids=readme.command_id)
-def test_readme_mnist_command_runs(command, readme_runner, real_mnist_run):
+@pytest.mark.parametrize("command", [c for c in docs.runnable() if docs.reads_real_mnist(c)],
+                         ids=docs.command_id)
+def test_documented_mnist_command_runs(command, doc_runner, real_mnist_run):
   if command == real_mnist_run.command:  # The first command: run once, with 200 steps.
-    readme.check(command, real_mnist_run.result)
+    docs.check(command, real_mnist_run.result)
   else:
-    readme.run_and_check(command, readme_runner)
+    docs.run_and_check(command, doc_runner)
