@@ -85,6 +85,6 @@ def test_the_sweep_package_keeps_the_modules_names():
           "format_table", "summary_rows", "single_model_opt_state"} <= set(dir(sweep))
   from trainer.loop.builtin import SweepReport
   assert SweepReport is sweep.SweepReport
-  with pytest.raises(AttributeError, match=r"check_sweep_fits moved: use "
+  with pytest.raises(AttributeError, match=r"check_sweep_fits is gone: use "
                                            r"trainer.sweep.fit_strategy"):
     sweep.check_sweep_fits  # noqa: B018

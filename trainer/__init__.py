@@ -14,6 +14,8 @@ import importlib.util
 import sys
 import warnings
 
+from trainer import _lazy
+
 _EXPORTS = {
     "Action": "trainer.loop.actions",
     "ClassificationTrainer": "trainer.classification",
@@ -96,15 +98,4 @@ if not any(isinstance(f, _MovedModuleFinder) for f in sys.meta_path):
   sys.meta_path.append(_MovedModuleFinder())
 
 
-def __getattr__(name: str):
-  if name in _REMOVED:
-    raise AttributeError(f"trainer.{name} is gone: {_REMOVED[name]}.")
-  if name not in _EXPORTS:
-    raise AttributeError(f"module 'trainer' has no attribute {name!r}")
-  value = getattr(importlib.import_module(_EXPORTS[name]), name)
-  globals()[name] = value
-  return value
-
-
-def __dir__():
-  return sorted(list(globals()) + __all__)
+__getattr__, __dir__ = _lazy.exports(__name__, _EXPORTS, _REMOVED)

@@ -25,13 +25,11 @@ from collections.abc import Sequence
 import ml_collections
 
 
-def check_config(config: ml_collections.ConfigDict, *,
-                 num_train_steps: int | None = None) -> None:
+def check_config(config: ml_collections.ConfigDict) -> None:
   """Raises for the first field whose value its part does not accept.
 
   Args:
     config: the run's config (`configs/base.py`'s fields, and the setup's).
-    num_train_steps: the run's length, which a decaying schedule needs.
 
   Raises:
     ValueError: naming the field, its value and what is accepted.
@@ -48,7 +46,7 @@ def check_config(config: ml_collections.ConfigDict, *,
   RunOptions.from_config(config)
   functions.check_steps_loop(config.steps_loop)
   sweep = Sweep.from_config(config)
-  optim.check_config(config, num_train_steps, swept=sweep is not None)
+  optim.check_config(config, swept=sweep is not None)
   Precision.from_config(config)
   accumulation.check_loop(config.grad_accum_loop)
   recipe.check_config(config)

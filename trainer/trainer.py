@@ -278,7 +278,7 @@ class Trainer(abc.ABC):
     """
     if num_train_steps is None and config.num_train_steps > 0:
       num_train_steps = config.num_train_steps
-    check_config(config, num_train_steps=num_train_steps)
+    check_config(config)
     self.config, self.num_train_steps = config, num_train_steps
     self.sweep = sweep_lib.Sweep.from_config(config)
     self.strategy = strategy = sweep_lib.strategy_for(config, self.sweep, strategy)

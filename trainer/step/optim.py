@@ -54,16 +54,9 @@ def create_schedule(config: ml_collections.ConfigDict, num_train_steps: int) -> 
     ValueError: an unknown schedule, a non-positive learning rate, or a
       warmup that does not fit in the run.
   """
-  lr = config.learning_rate
-  if not isinstance(lr, (int, float)) or lr <= 0:
-    raise ValueError(f"config.learning_rate={lr!r} must be a positive number.")
-  name = config.schedule.name
-  warmup = config.schedule.warmup_steps
+  check_schedule(config)
+  lr, name, warmup = config.learning_rate, config.schedule.name, config.schedule.warmup_steps
   end = lr * config.schedule.end_factor
-  if name not in SCHEDULES:
-    raise ValueError(f"config.schedule.name={name!r} is not one of {SCHEDULES}.")
-  if not isinstance(warmup, int) or warmup < 0:
-    raise ValueError(f"config.schedule.warmup_steps={warmup!r} must be an integer >= 0.")
   if name != "constant" and (num_train_steps is None or num_train_steps <= warmup):
     raise ValueError(
         f"config.schedule.name={name!r} decays over the run, so it needs the run's length: "
@@ -75,6 +68,23 @@ def create_schedule(config: ml_collections.ConfigDict, num_train_steps: int) -> 
   if not warmup:
     return after
   return optax.join_schedules([optax.linear_schedule(0.0, lr, warmup), after], [warmup])
+
+
+def check_schedule(config: ml_collections.ConfigDict) -> None:
+  """Raises unless `learning_rate` and `schedule.{name, warmup_steps}` are usable.
+
+  Raises:
+    ValueError: naming the field, its value and what is accepted.
+  """
+  lr = config.learning_rate
+  if not isinstance(lr, (int, float)) or lr <= 0:
+    raise ValueError(f"config.learning_rate={lr!r} must be a positive number.")
+  if config.schedule.name not in SCHEDULES:
+    raise ValueError(f"config.schedule.name={config.schedule.name!r} is not one of "
+                     f"{SCHEDULES}.")
+  warmup = config.schedule.warmup_steps
+  if not isinstance(warmup, int) or warmup < 0:
+    raise ValueError(f"config.schedule.warmup_steps={warmup!r} must be an integer >= 0.")
 
 
 def check_run_length(config: ml_collections.ConfigDict, schedule_steps: int | None,
@@ -250,12 +260,12 @@ def optimizer_for(config: ml_collections.ConfigDict, schedule: optax.Schedule, *
   return create_optimizer(config, schedule)
 
 
-def check_config(config: ml_collections.ConfigDict, num_train_steps: int | None, *,
-                 swept: bool) -> None:
+def check_config(config: ml_collections.ConfigDict, *, swept: bool) -> None:
   """Raises unless the optimizer fields are usable: builds the chain, touching no array.
 
   A sweep's hyperparameters are checked per member (`trainer.sweep.Sweep`);
-  here only what every member shares.
+  here only what every member shares. Whether a decaying schedule knows the
+  run's length is `create_schedule`'s to say, when the default schedule is built.
 
   Raises:
     ValueError: naming the field, its value and what is accepted.
@@ -269,4 +279,5 @@ def check_config(config: ml_collections.ConfigDict, num_train_steps: int | None,
       raise ValueError(f"config.schedule.name={config.schedule.name!r} is not one of "
                        f"{SCHEDULES}.")
     return
-  create_optimizer(config, create_schedule(config, num_train_steps))
+  check_schedule(config)
+  create_optimizer(config, optax.constant_schedule(config.learning_rate))

@@ -21,7 +21,7 @@ The names below are imported on first use, so that `members` (no jax) can be
 read while an entry point parses its flags.
 """
 
-import importlib
+from trainer import _lazy
 
 _EXPORTS = {
     "INJECTED": "trainer.sweep.optimizer",
@@ -44,21 +44,10 @@ _EXPORTS = {
 }
 
 #: Names that moved when this module became a package, and where they are now.
-_MOVED = {"check_sweep_fits": "trainer.sweep.fit_strategy (it also gives a strategy built "
-                              "in code the sweep's seeds)"}
+_MOVED = {"check_sweep_fits": "use trainer.sweep.fit_strategy (it also gives a strategy "
+                              "built in code the sweep's seeds)"}
 
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str):
-  if name in _MOVED:
-    raise AttributeError(f"trainer.sweep.{name} moved: use {_MOVED[name]}.")
-  if name not in _EXPORTS:
-    raise AttributeError(f"module 'trainer.sweep' has no attribute {name!r}")
-  value = getattr(importlib.import_module(_EXPORTS[name]), name)
-  globals()[name] = value
-  return value
-
-
-def __dir__():
-  return sorted(list(globals()) + __all__)
+__getattr__, __dir__ = _lazy.exports(__name__, _EXPORTS, _MOVED)
