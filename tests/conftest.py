@@ -2,6 +2,7 @@
 
 import dataclasses
 import fcntl
+import functools
 import json
 import os
 import pathlib
@@ -27,6 +28,8 @@ import jax.numpy as jnp  # noqa: E402
 import ml_collections  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+import tensorflow_datasets as tfds  # noqa: E402
+from tensorflow_datasets.testing import mocking as tfds_mocking  # noqa: E402
 
 import models  # noqa: E402
 from configs import mlp_sharded, mnist_ensemble  # noqa: E402
@@ -105,6 +108,24 @@ def vector_batches(num: int, batch_size: int, dim: int, seed: int = 0):
   return [{"inputs": rng.normal(size=(batch_size, dim)).astype(np.float32),
            "targets": rng.normal(size=(batch_size, dim)).astype(np.float32)}
           for _ in range(num)]
+
+
+class _BoundDataSourceMock(tfds_mocking.PickableDataSourceMock):
+  """TFDS 4.9's `mock_data` sets its array_record data source's `__getitems__` as an
+  instance attribute, a function of `(self, record_keys)`, so calling it passes no `self`;
+  this mock binds it (the pipelines that read many records at once call it)."""
+
+  def __setattr__(self, name, value):
+    if name == "__getitems__":
+      value = functools.partial(value, self)
+    super().__setattr__(name, value)
+
+
+def mock_tfds(num_examples: int):
+  """`tfds.testing.mock_data(num_examples)`, whose data sources also read several records
+  in one call, as the in-memory and device pipelines do from array_record data."""
+  return tfds.testing.mock_data(num_examples=num_examples,
+                                mock_array_record_data_source=_BoundDataSourceMock())
 
 
 def leaves(tree):

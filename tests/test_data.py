@@ -6,6 +6,7 @@ import shutil
 import numpy as np
 import pytest
 import tensorflow_datasets as tfds
+from conftest import mock_tfds
 from doc_commands import MNIST_DIR
 
 from trainer import data
@@ -130,13 +131,14 @@ def test_split_slices_and_unknown_splits(real_mnist_run, doc_runner):
     data.load_split(builder, "tset", field="data.eval_split")
 
 
-def test_the_commands_of_every_pipeline_work_in_any_order_on_one_data_dir(tmp_path):
-  """The in-memory and device pipelines prepare (file_format None) in the format Grain
-  reads, so the flagship's Grain pipeline then reads the same data directory."""
-  if not MNIST_DIR.is_dir():
-    pytest.skip("real MNIST files not found")
-  first = data.prepare("mnist", str(tmp_path), str(MNIST_DIR))  # memory / device
-  assert first.info.file_format.value == "array_record"
-  then = data.prepare("mnist", str(tmp_path), str(MNIST_DIR), file_format="array_record")
-  assert len(data.data_source(then, "test[:10]", field="data.eval_split")) == 10
-  assert len(data.load_split(first, "test[:10]")) == 10
+def test_every_pipeline_prepares_new_data_in_the_format_grain_reads(tmp_path, real_mnist_run,
+                                                                     doc_runner):
+  """The in-memory and device pipelines (file_format None) prepare new data as array_record,
+  so a Grain command run after theirs reads the same data directory; and they read what
+  Grain prepared (the README's first command, in the session's data directory)."""
+  with mock_tfds(10):
+    assert data.prepare("mnist", str(tmp_path), None).info.file_format.value == "array_record"
+  grain = data.prepare("mnist", str(doc_runner.data_dir), None, file_format="array_record")
+  assert len(data.data_source(grain, "test[:10]", field="data.eval_split")) == 10
+  memory = data.prepare("mnist", str(doc_runner.data_dir), None)
+  assert len(data.load_split(memory, "test[:10]")) == 10

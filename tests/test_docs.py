@@ -2,8 +2,9 @@
 cross-reference, a public module or name missing from the API reference, a notebook cell
 that fails), serves it, and a real headless browser shows the getting-started page.
 
-The build executes the MNIST ensemble notebook on the real MNIST files (TFDS
-prepares them into this session's own data directory).
+The build executes the MNIST ensemble notebook on the real MNIST files, in the data
+directory where the README's first command prepared them (`real_mnist_run`), as a user's
+build would find them after running it.
 """
 
 import dataclasses
@@ -30,12 +31,12 @@ class Site:
 
 
 @pytest.fixture(scope="module")
-def site(tmp_path_factory) -> Site:
+def site(tmp_path_factory, doc_runner, real_mnist_run) -> Site:
   """The README's docs command's build step, run as written (its `/tmp/` path moved)."""
+  del real_mnist_run  # Has prepared MNIST in doc_runner.data_dir (and is done writing).
   command = next(c for c in docs.commands([docs.README]) if docs.is_docs_command(c))
   build = next(s for s in docs.steps(command) if "sphinx-build" in s)
-  runner = docs.Runner(root=tmp_path_factory.mktemp("docs"),
-                       data_dir=tmp_path_factory.mktemp("docs_tfds"))
+  runner = docs.Runner(root=tmp_path_factory.mktemp("docs"), data_dir=doc_runner.data_dir)
   result = runner.run(command, extra=[], step=build, timeout=1200)
   html = runner.path(re.search(r"\s/tmp/(\S+)", build).group(1))
   return Site(command, html, result)

@@ -3,7 +3,7 @@
 One test checks the README's first command, run on the real MNIST files
 through TFDS in a subprocess (the entry point sets its own 8 CPU devices from
 `config.num_cpu_devices`); the others run the same `train_and_evaluate`
-in-process on `tfds.testing.mock_data`.
+in-process on `tfds.testing.mock_data` (`conftest.mock_tfds`).
 """
 
 import importlib
@@ -16,7 +16,7 @@ import sys
 
 import numpy as np
 import pytest
-import tensorflow_datasets as tfds
+from conftest import mock_tfds
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "mnist_ensemble.py"
@@ -109,7 +109,7 @@ def test_each_config_trains_on_mock_data(example, tmp_path, config_name, strateg
   config.log_every_steps = 3
   config.eval_every_steps = 3
   config.data.manual_dir = ""
-  with tfds.testing.mock_data(num_examples=40):
+  with mock_tfds(40):
     results = example.train_and_evaluate(config, str(tmp_path))
   assert set(results) == keys
   records = _read_jsonl(tmp_path / "metrics.jsonl")
@@ -147,7 +147,7 @@ def test_rerun_in_the_same_workdir_resumes_from_the_latest_checkpoint(example, t
   config.log_every_steps = 3
   config.checkpoint.every_steps = 3
   config.data.manual_dir = ""
-  with tfds.testing.mock_data(num_examples=40):
+  with mock_tfds(40):
     first = example.train_and_evaluate(config, str(tmp_path))
     steps = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
     assert steps == ["3", "6"]
@@ -173,7 +173,7 @@ def test_the_finetuning_configs_pretrain_then_finetune_with_frozen_convolutions(
     config.update_from_flattened_dict({
         "batch_size": 8, "eval_batch_size": 8, "num_train_steps": 4, "log_every_steps": 2,
         "data.manual_dir": "", **overrides})
-    with tfds.testing.mock_data(num_examples=80):
+    with mock_tfds(80):
       results = example.train_and_evaluate(config, str(tmp_path / variant))
     assert set(results) == SINGLE_KEYS
     return init_from.open_source(str(tmp_path / variant))

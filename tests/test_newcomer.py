@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import tensorflow_datasets as tfds
 import user_models as um
-from conftest import cnn_config, image_batches, leaves
+from conftest import cnn_config, image_batches, leaves, mock_tfds
 
 from trainer import ClassificationTrainer
 from trainer import data as data_lib
@@ -171,7 +171,7 @@ def test_a_config_error_leaves_no_checkpoint_directory(tmp_path):
   config.batch_size = 12  # Does not split over pmap DP's 8 data replicas.
   config.strategy.name = "pmap_data_parallel"
   config.data.manual_dir = ""
-  with tfds.testing.mock_data(num_examples=40), pytest.raises(ValueError, match="batch_size=12"):
+  with mock_tfds(40), pytest.raises(ValueError, match="batch_size=12"):
     example.train_and_evaluate(config, str(tmp_path))
   assert not (tmp_path / "checkpoints").exists()
 
