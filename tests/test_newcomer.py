@@ -12,6 +12,7 @@ import pytest
 import tensorflow_datasets as tfds
 import user_models as um
 from conftest import cnn_config, image_batches, leaves, mock_tfds
+from flax import nnx
 
 from trainer import ClassificationTrainer
 from trainer import data as data_lib
@@ -203,11 +204,26 @@ def test_orbax_info_lines_stay_off_the_console(tmp_path, caplog):
 # -- Traps found from outside (issue 14) --------------------------------------------------------
 
 
-class PassesRngsPositionally(um.FlaxNnxMnistTrainer):
+class TakesRngsInCall(nnx.Module):
+  """As Flax's NNX examples write a model with dropout: `rngs` a `__call__` argument."""
+
+  def __init__(self, *, rngs: nnx.Rngs):
+    self.linear = nnx.Linear(784, 10, rngs=rngs)
+    self.dropout = nnx.Dropout(rate=0.5)
+
+  def __call__(self, x, rngs: nnx.Rngs | None = None):
+    return self.linear(self.dropout(x.reshape(x.shape[0], -1), rngs=rngs))
+
+
+class BindsRngsItself(ClassificationTrainer):
+  def build_model(self):
+    return TakesRngsInCall
+
+
+class PassesRngsPositionally(BindsRngsItself):
   """What the README told users before issue 9: `nnx.Rngs` as `__call__`'s second argument."""
 
   def model_inputs(self, batch, *, train, rngs):
-    from flax import nnx
     return (batch[self.input_key], nnx.Rngs(dropout=rngs["dropout"])), {}
 
 
@@ -215,9 +231,11 @@ def test_an_nnx_model_given_rngs_positionally_is_not_given_them_twice():
   batches = image_batches(2, 16)
   positional = PassesRngsPositionally(cnn_config()).fit(batches, num_steps=2).state
   # The trainer's own binding draws from the same stream key: the same run.
-  own = um.FlaxNnxMnistTrainer(cnn_config()).fit(batches, num_steps=2).state
+  own = BindsRngsItself(cnn_config()).fit(batches, num_steps=2).state
   for a, b in zip(leaves(positional.params), leaves(own.params), strict=True):
     np.testing.assert_array_equal(a, b)
+  initial = BindsRngsItself(cnn_config()).init_state(batches[0])
+  assert not np.array_equal(leaves(own.params)[0], leaves(initial.params)[0])  # It trained.
 
 
 class JitsItsOwnRngFunction(ClassificationTrainer):
