@@ -46,7 +46,8 @@ LM_SIZES = {
 }
 
 
-def _workloads(batch_size_mnist: int, members: int, lm_size: str, lm_batch: int, lm_seq: int):
+def _workloads(batch_size_mnist: int, members: int, lm_size: str, lm_batch: int, lm_seq: int,
+               lm_layers: int = 0):
   """key -> (title, trainer class, base config, one host batch)."""
   import jax
   from mnist_setup import MNISTTrainer, random_batches
@@ -64,6 +65,7 @@ def _workloads(batch_size_mnist: int, members: int, lm_size: str, lm_batch: int,
   lm_config.update_from_flattened_dict(LM_SIZES[lm_size])
   lm_config.batch_size = lm_batch or lm_config.batch_size
   lm_config.seq_len = lm_seq or lm_config.seq_len
+  lm_config.model.num_layers = lm_layers or lm_config.model.num_layers
   lm_batch = next(synthetic_token_batches(0, lm_config.batch_size, lm_config.seq_len,
                                           lm_config.model.vocab_size))
   return {
@@ -84,6 +86,7 @@ def main():
   parser.add_argument("--lm-size", choices=sorted(LM_SIZES), default="test")
   parser.add_argument("--lm-batch", type=int, default=0, help="LM batch (0: the size's)")
   parser.add_argument("--lm-seq", type=int, default=0, help="LM sequence length (0: the size's)")
+  parser.add_argument("--lm-layers", type=int, default=0, help="LM layers (0: the size's)")
   parser.add_argument("--workloads", default="mnist,lm")
   parser.add_argument("--variants", default=",".join(VARIANTS),
                       help="which of the variants; 'plain' always runs")
@@ -101,7 +104,7 @@ def main():
   print(f"{'workload':<40} {'variant':<15} {'s/step':>8} {'vs plain':>9} {'middle half':>13} "
         f"{'temp MiB':>9}")
   workloads = _workloads(args.batch, args.members, args.lm_size, args.lm_batch,
-                         args.lm_seq)
+                         args.lm_seq, args.lm_layers)
   unknown = set(args.workloads.split(",")) - set(workloads)
   if unknown:
     parser.error(f"--workloads: {sorted(unknown)} not among {sorted(workloads)}")

@@ -52,7 +52,7 @@ FEW_STEPS = {
     # Two devices: under 8 a 25M-parameter LM (`--lm-size gpu`) does 8 optimizer updates.
     "benchmarks/recipe_cost.py": ["--rounds", "1", "--block-seconds", "0", "--batch", "16",
                                   "--workloads", "lm", "--variants", "bf16", "--devices", "2",
-                                  "--lm-batch", "16", "--lm-seq", "16"],
+                                  "--lm-batch", "16", "--lm-seq", "16", "--lm-layers", "1"],
     "benchmarks/multiprocess_step_time.py": ["--steps", "1", "--warmup", "1", "--rounds", "1",
                                              "--batch", "16", "--workloads", "cnn_dp"],
     "benchmarks/structure.py": [],  # Reads source files only: seconds as written.
