@@ -1,16 +1,15 @@
 """The MNIST ensemble example through its real entry point.
 
-One test checks the README's first command, run on the real MNIST files
-through TFDS in a subprocess (the entry point sets its own 8 CPU devices from
-`config.num_cpu_devices`); the others run the same `train_and_evaluate`
-in-process on `tfds.testing.mock_data` (`conftest.mock_tfds`).
+The tests run the same `train_and_evaluate` in-process on
+`tfds.testing.mock_data` (`conftest.mock_tfds`). The README's first command on
+the real MNIST files is checked in `test_doc_commands_mnist.py`, beside the
+fixture that runs it.
 """
 
 import importlib
 import json
 import os
 import pathlib
-import re
 import subprocess
 import sys
 
@@ -35,43 +34,6 @@ def _example_env():
   env.pop("XLA_FLAGS", None)  # The entry point must make its devices itself.
   env["PYTHONPATH"] = str(ROOT)
   return env
-
-
-def test_real_mnist_ensemble_through_the_entry_point(real_mnist_run, doc_runner):
-  """The README's first command, 200 steps on the real files (see conftest.real_mnist_run)."""
-  result, workdir = real_mnist_run.result, real_mnist_run.workdir
-  assert result.returncode == 0, result.stderr[-5000:]
-  assert "CPU devices: 8" in result.stderr
-
-  records = _read_jsonl(workdir / "metrics.jsonl")
-  evals = [r for r in records if r["split"] == "eval"]
-  assert [r["step"] for r in evals] == [200]
-  final = evals[-1]
-  assert ENSEMBLE_KEYS <= set(final)
-  assert final["ensemble_accuracy"] >= 0.95, final
-  assert [r["step"] for r in records if r["split"] == "train"] == [50, 100, 150, 200]
-  assert all({"loss", "accuracy", "steps_per_sec", "examples_per_sec"} <= set(r)
-             for r in records if r["split"] == "train")
-  assert "ETA" in result.stderr
-  # Orbax's per-save INFO lines stay off the console (checkpoints were saved: see below).
-  import orbax
-  orbax_files = {p.name for p in pathlib.Path(orbax.__path__[0]).rglob("*.py")}
-  orbax_files -= {p.name for d in ("trainer", "strategies", "examples")
-                  for p in (ROOT / d).rglob("*.py")}
-  info_from = re.findall(r"^I\d{4} [\d:.]+\s+\d+ (\S+\.py):\d+\]", result.stderr, flags=re.M)
-  assert info_from and not orbax_files & set(info_from), sorted(set(info_from))
-  assert list((workdir / "checkpoints").iterdir())
-
-  # TensorBoard events hold the same scalars.
-  import tensorflow as tf
-  events = list(workdir.glob("events.out.tfevents.*"))
-  assert len(events) == 1
-  tags = {v.tag for e in tf.compat.v1.train.summary_iterator(str(events[0]))
-          for v in e.summary.value}
-  assert {"train/loss", "eval/ensemble_accuracy", "eval/ensemble_ece"} <= tags
-  # TFDS prepared MNIST from the IDX files into the configured data_dir, as the array_record
-  # files that the default pipeline (Grain over tfds.data_source) streams.
-  assert list((doc_runner.data_dir / "mnist").glob("*/mnist-train.array_record*"))
 
 
 @pytest.fixture(scope="module")
