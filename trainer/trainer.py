@@ -22,14 +22,13 @@ from __future__ import annotations
 import abc
 import zlib
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import flax.linen as nn
 import jax
 import ml_collections
 import numpy as np
 import optax
-from clu import metric_writers
 from clu import metrics as clu_metrics
 
 from trainer import metrics as metrics_lib
@@ -49,6 +48,9 @@ from trainer.step.optim import check_run_length, create_schedule, optimizer_for,
 from trainer.step.recipe import Recipe, recipe_from_config
 from trainer.step.remat import Remat
 from trainer.step.train_state import TrainState
+
+if TYPE_CHECKING:  # Only annotations: clu's writers import TensorFlow (seconds).
+  from clu import metric_writers
 
 Batch = Mapping[str, Any]
 PyTree = Any
@@ -251,7 +253,9 @@ class Trainer(abc.ABC):
     Raises:
       ValueError: an early-stopping or profile setting that cannot work (before any step).
     """
-    writer = writer or metric_writers.LoggingWriter()
+    if writer is None:
+      from clu import metric_writers  # Imports TensorFlow: only when it is needed.
+      writer = metric_writers.LoggingWriter()
     after_eval = [] if self.sweep is None or eval_batches is None else sweep_lib.actions(
         self.sweep, self.config, strategy=self.strategy, writer=writer,
         evaluate_members=self.evaluator.evaluate_members, eval_batches=eval_batches,

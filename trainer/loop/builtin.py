@@ -21,11 +21,10 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import ml_collections
-from clu import metric_writers
 
 from strategies import Strategy
 from strategies.tree import split_steps
@@ -35,6 +34,9 @@ from trainer.checkpoint import Checkpointer, save_run
 from trainer.loop import timing
 from trainer.loop.actions import Action, Produced, StepView, next_multiple
 from trainer.step.recipe import Recipe
+
+if TYPE_CHECKING:  # Only annotations: clu's writers import TensorFlow (seconds).
+  from clu import metric_writers
 
 Batch = Mapping[str, Any]
 PyTree = Any

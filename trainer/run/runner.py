@@ -22,10 +22,9 @@ import dataclasses
 import itertools
 import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
-from clu import metric_writers
 
 from strategies import Strategy
 from strategies.capabilities import models_named
@@ -45,6 +44,9 @@ from trainer.run.options import RunOptions
 from trainer.run.start import Start, TrainData, start
 from trainer.run.state import States
 from trainer.step.functions import CompiledSteps
+
+if TYPE_CHECKING:  # Only annotations: clu's writers import TensorFlow (seconds).
+  from clu import metric_writers
 
 Batch = Mapping[str, Any]
 PyTree = Any

@@ -11,17 +11,19 @@ import logging
 import os
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import ml_collections
 import numpy as np
-from clu import metric_writers
 
 from trainer.loop.actions import Action, Produced, StepView
 from trainer.step.optim import create_schedule, optimizer_for
 from trainer.sweep.members import Sweep
 from trainer.sweep.optimizer import single_model_opt_state
+
+if TYPE_CHECKING:  # Only annotations: clu's writers import TensorFlow (seconds).
+  from clu import metric_writers
 
 Batch = Mapping[str, Any]
 PyTree = Any
