@@ -153,7 +153,7 @@ def get_config() -> ml_collections.ConfigDict:
   # starts (0: leave jax's default). No effect on GPU/TPU hosts.
   config.num_cpu_devices = 0
 
-  # Sweeps as ensembles (trainer/sweep.py): under an ensemble strategy each member trains
+  # Sweeps as ensembles (trainer/sweep/): under an ensemble strategy each member trains
   # with its own optimizer hyperparameters and seed, one compiled program for all.
   # `grid`: name -> values, every combination; or `points`: a tuple of {name: value}
   # dicts; either times `seeds` (empty: config.seed). The member count follows
@@ -169,6 +169,26 @@ def get_config() -> ml_collections.ConfigDict:
   # exported as a single-model checkpoint (<workdir>/sweep_best).
   config.sweep.metric = ""
   config.sweep.mode = "max"  # "max" (accuracy) or "min" (loss).
+  # Sweeps that choose (trainer/sweep/schedulers.py), decided at each evaluation:
+  # "" trains every member to the end; "halving" (asynchronous successive halving: a
+  # member below the top 1/reduction_factor at a rung stops, and its slot takes the next
+  # configuration; ensemble_size may then be below the sweep's count); "pbt"
+  # (population-based training: the bottom `fraction` copy the top and explore).
+  config.sweep.scheduler = ""
+  config.sweep.halving = ml_collections.ConfigDict()
+  config.sweep.halving.rungs = ()  # Ages (a member's own steps) compared at; () derives them:
+  config.sweep.halving.min_steps = 0  # First rung (0: eval_every_steps), then x reduction.
+  config.sweep.halving.reduction_factor = 2.0
+  config.sweep.pbt = ml_collections.ConfigDict()
+  config.sweep.pbt.ready_steps = 0  # How often (0: every evaluation).
+  config.sweep.pbt.fraction = 0.25  # Bottom quarter copies the top quarter.
+  config.sweep.pbt.perturb = (0.8, 1.2)  # A copied value times one of these...
+  config.sweep.pbt.resample_probability = 0.25  # ...or drawn afresh from its range.
+  # name -> (low, high) per swept name explored (default: the sweep's smallest, largest).
+  config.sweep.pbt.ranges = ml_collections.ConfigDict()
+  for name in ("learning_rate", "weight_decay", "momentum", "b1", "grad_clip_norm",
+               "warmup_steps", "ema_decay"):
+    config.sweep.pbt.ranges[name] = ()
 
   config.strategy = ml_collections.ConfigDict()
   config.strategy.name = "single_device"  # See strategies.available().

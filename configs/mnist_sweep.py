@@ -5,7 +5,7 @@ in one compiled program, 2 per device on 8 devices.
         --workdir=/tmp/mnist_sweep
 
 Each member is the single-model run with its learning rate and seed
-(trainer/sweep.py). At the end the workdir holds `sweep.json` (every member's
+(trainer/sweep/). At the end the workdir holds `sweep.json` (every member's
 eval metrics), `sweep.png` (accuracy against the learning rate) and the best
 member as a single-model checkpoint (`sweep_best/`, with
 `sweep_best_config.json`: resume it under any single-model strategy).

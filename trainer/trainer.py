@@ -259,7 +259,8 @@ class Trainer(abc.ABC):
     after_eval = [] if self.sweep is None or eval_batches is None else sweep_lib.actions(
         self.sweep, self.config, strategy=self.strategy, writer=writer,
         evaluate_members=self.evaluator.evaluate_members, eval_batches=eval_batches,
-        workdir=workdir, num_train_steps=self.num_train_steps, labels=self.labels)
+        workdir=workdir, num_train_steps=self.num_train_steps, labels=self.labels,
+        init_members=self.states.init_members)
     return builtin.from_config(
         self.config, writer=writer, strategy=self.strategy, recipe=self.recipe,
         evaluate=self.evaluate, learning_rate=self.learning_rate, checkpointer=checkpointer,
@@ -360,6 +361,7 @@ class Trainer(abc.ABC):
       check_run_length(self.config, self.num_train_steps, num_steps)
     defaults = self.default_actions(checkpointer=checkpointer, eval_batches=eval_batches,
                                     workdir=workdir, writer=writer)
+    num_steps = sweep_lib.program_steps(self.sweep, self.strategy, num_steps)  # Halving: more.
     return self.runner.fit(train_batches, num_steps=num_steps, state=state,
                            actions=builtin.with_user_actions(defaults, list(actions)),
                            eval_batches=eval_batches, writer=writer, checkpointer=checkpointer)

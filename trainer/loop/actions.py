@@ -4,7 +4,7 @@ After every compiled call the loop (`trainer.loop.driver`) runs, in order,
 each action whose `triggers(view)` holds; after the last call, every action's
 `end`. An action gets a `StepView` (the step, the state, the call's outputs,
 this step's evaluation if one ran before it) and returns a `Produced` (eval
-results, a stop request, a best value) or None. The loop folds what actions
+results, a stop request, a best value, a replaced state) or None. The loop folds what actions
 produce into the view the next action sees and into the `FitResult`; actions
 never write into shared state or look at each other.
 
@@ -109,6 +109,8 @@ class Produced:
     stop: a reason to end the run after this step.
     preempted: the stop comes from a signal.
     best: `(step, value)` of the best evaluation so far by a tracked metric.
+    state: a new train state to go on from (a sweep's scheduler refilled or copied
+      members): the same structure, shapes and placement, so nothing recompiles.
   """
 
   eval_results: Mapping[str, float] | None = None
@@ -116,6 +118,7 @@ class Produced:
   stop: str | None = None
   preempted: bool = False
   best: tuple[int, float] | None = None
+  state: Any = None
 
 
 @dataclasses.dataclass

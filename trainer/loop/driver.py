@@ -101,6 +101,8 @@ def _fold(view: StepView, produced: Produced | None, result: FitResult) -> StepV
                    eval_seconds=view.eval_seconds + produced.eval_seconds)
   if produced.best is not None:
     result.best = produced.best
+  if produced.state is not None:
+    changes.update(state=produced.state)
   if produced.stop is not None and view.stop_reason is None:
     logging.info("Stop requested at step %d: %s", view.step, produced.stop)
     changes.update(stop_reason=produced.stop, preempted=produced.preempted)

@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import ml_collections
 
 from strategies import Strategy
@@ -52,12 +53,15 @@ class States:
     #: `config.init_from`'s source, opened (None: off).
     self.source = (init_from.open_source(spec.path, step=spec.step, linen=linen)
                    if spec.path else None)
+    self._example: Batch | None = None  # The batch the last state was made or restored for.
+    self._init_members: Callable[[jax.Array], PyTree] | None = None
 
   def init(self, example_batch: Batch, rng: jax.Array | None = None) -> PyTree:
     """A new placed state for batches shaped like `example_batch`; `rng` defaults to
     `PRNGKey(config.seed)`."""
     if rng is None:
       rng = jax.random.PRNGKey(self.config.seed)
+    self._example = example_batch
     init_fn = self.steps.init_fn(example_batch)
     if self.source is not None:  # The rules are checked before anything is computed.
       abstract = jax.eval_shape(init_fn, rng)
@@ -74,6 +78,27 @@ class States:
       state = place_hyperparameters(state, self.sweep)
     return state
 
+  def init_members(self, seeds: list[int]) -> PyTree:
+    """A new ensemble state whose member i starts from `PRNGKey(seeds[i])` (as `init`
+    would for a sweep with those seeds), on the default device (the caller places it):
+    a sweep slot's next configuration.
+
+    Raises:
+      ValueError: no state was made or restored yet (the batch shapes are unknown).
+    """
+    if self._example is None:
+      raise ValueError("States.init_members needs the batch shapes of a state made or "
+                       "restored before (init or restore).")
+    if self.source is not None:  # `init_from` starts each member from loaded variables.
+      saved, self.strategy.member_seeds = self.strategy.member_seeds, list(seeds)
+      try:
+        return self.init(self._example)
+      finally:
+        self.strategy.member_seeds = saved
+    if self._init_members is None:  # Compiled once: a refill costs an init, not a compile.
+      self._init_members = jax.jit(jax.vmap(self.steps.init_fn(self._example)))
+    return self._init_members(jnp.stack([jax.random.PRNGKey(s) for s in seeds]))
+
   def _fresh(self, state: PyTree) -> PyTree:
     """A new state of one model from `state`'s variables and RNG (optimizer, recipe: fresh)."""
     return self.recipe.init_state(self.create_train_state(
@@ -88,5 +113,6 @@ class States:
     """The run saved at `step` (None: the latest), written under any strategy, in this
     strategy's layout (`trainer.checkpoint.restore_run`); `member`: one member of a
     saved ensemble, for a single-model strategy."""
+    self._example = example_batch
     return restore_run(checkpointer, self.strategy, self.abstract(example_batch), step=step,
                        member=member)

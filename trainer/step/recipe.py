@@ -228,6 +228,22 @@ class SkipNonFinite(StepTransform):
     return guarded
 
 
+class HoldInactive(StepTransform):
+  """Keeps a member's whole state (parameters, model state, optimizer state, EMA) where
+  its optimizer's injected `active` hyperparameter is 0: a sweep slot frozen by its
+  scheduler (`trainer.sweep.select`). The step counter still advances, so the data stays
+  aligned; the step is still computed (every member runs the same program)."""
+
+  def update(self, update_fn: UpdateFn) -> UpdateFn:
+    def held(state, grads, aux, finite):
+      new = update_fn(state, grads, aux, finite)
+      active = state.opt_state.hyperparams["active"] > 0
+      kept = state.replace(step=new.step)
+      return jax.tree.map(lambda n, o: jnp.where(active, n, o), new, kept)
+
+    return held
+
+
 #: What `config.nonfinite` may say a train step does with a non-finite loss or gradient.
 NONFINITE_ACTIONS = ("stop", "skip")
 
@@ -255,6 +271,8 @@ def recipe_from_config(config: ml_collections.ConfigDict, *, num_data_replicas: 
     transforms.append(Ema(float(ema), in_state=swept))
   if config.nonfinite == "skip":
     transforms.append(SkipNonFinite())
+  if config.sweep.scheduler == "halving":  # A slot with nothing left to try is frozen.
+    transforms.append(HoldInactive())
   return Recipe(tuple(transforms))
 
 
@@ -275,5 +293,5 @@ def check_config(config: ml_collections.ConfigDict) -> None:
                      f"gradient norm, 'skip' leaves such updates out and counts them.")
 
 
-__all__ = ["Accumulate", "Ema", "MixedPrecision", "Recipe", "SkipNonFinite", "StepAux",
-           "StepTransform", "check_config", "recipe_from_config"]
+__all__ = ["Accumulate", "Ema", "HoldInactive", "MixedPrecision", "Recipe", "SkipNonFinite",
+           "StepAux", "StepTransform", "check_config", "recipe_from_config"]

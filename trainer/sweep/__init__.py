@@ -14,8 +14,13 @@ the single-model run with its hyperparameters and that seed.
   member's single-model run has an EMA too);
 - `optimizer`: the config's chain with every member's hyperparameters in its
   state (`swept_optimizer`, `place_hyperparameters`);
+- `schedulers`: sweeps that choose (`config.sweep.scheduler`): successive
+  halving with slot reuse (`Halving`) and population-based training
+  (`PopulationBased`), decided from each evaluation; `select`: their decisions
+  applied to the stacked state (`Selection`);
 - `report`: what a sweep reports and leaves behind (`SweepReport`, `summarize`,
-  `export_member`, `plot`), and `actions`, the sweep's actions for a run.
+  `export_member`, `plot`, `plot_curves`), and `actions`, the sweep's actions
+  for a run.
 
 The names below are imported on first use, so that `members` (no jax) can be
 read while an entry point parses its flags.
@@ -24,9 +29,14 @@ read while an entry point parses its flags.
 from trainer import _lazy
 
 _EXPORTS = {
+    "Halving": "trainer.sweep.schedulers",
     "INJECTED": "trainer.sweep.optimizer",
     "NOT_SWEPT": "trainer.sweep.members",
     "SWEPT": "trainer.sweep.members",
+    "PopulationBased": "trainer.sweep.schedulers",
+    "SCHEDULERS": "trainer.sweep.schedulers",
+    "Scheduler": "trainer.sweep.schedulers",
+    "Selection": "trainer.sweep.select",
     "Sweep": "trainer.sweep.members",
     "SweepReport": "trainer.sweep.report",
     "actions": "trainer.sweep.report",
@@ -34,7 +44,10 @@ _EXPORTS = {
     "fit_strategy": "trainer.sweep.members",
     "format_table": "trainer.sweep.report",
     "place_hyperparameters": "trainer.sweep.optimizer",
+    "place_rows": "trainer.sweep.optimizer",
     "plot": "trainer.sweep.report",
+    "plot_curves": "trainer.sweep.report",
+    "program_steps": "trainer.sweep.schedulers",
     "schedule_value": "trainer.sweep.optimizer",
     "single_model_opt_state": "trainer.sweep.optimizer",
     "strategy_for": "trainer.sweep.members",

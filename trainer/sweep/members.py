@@ -46,6 +46,9 @@ class Sweep:
 
   members: tuple[Mapping[str, float], ...]
   varied: tuple[str, ...]
+  #: `config.sweep.scheduler`: '' trains every member to the end; 'halving' and 'pbt'
+  #: choose between them (`trainer.sweep.schedulers`).
+  scheduler: str = ""
 
   def __len__(self) -> int:
     return len(self.members)
@@ -63,21 +66,23 @@ class Sweep:
     """Each member's seed: member i starts from `PRNGKey(seeds[i])`."""
     return [int(m["seed"]) for m in self.members]
 
-  def member_config(self, config: ml_collections.ConfigDict, i: int
-                    ) -> ml_collections.ConfigDict:
-    """The single-model config of member i: its values in place of the config's, no sweep."""
+  def member_config(self, config: ml_collections.ConfigDict, i: int,
+                    values: Mapping[str, float] | None = None) -> ml_collections.ConfigDict:
+    """The single-model config of member i: its values (or `values`, a population-based
+    member's after exploring) in place of the config's, no sweep."""
+    values = self.members[i] if values is None else values
     out = ml_collections.ConfigDict(config.to_dict())
     for name, field in SWEPT.items():
       *parents, last = field.split(".")
       node = out
       for part in parents:
         node = node[part]
-      node[last] = type(node[last])(self.members[i][name])
+      node[last] = type(node[last])(values[name])
     out.seed = int(self.members[i]["seed"])
     out.sweep = ml_collections.ConfigDict(config.sweep.to_dict())
     for name in SWEPT:
       out.sweep.grid[name] = ()
-    out.sweep.points, out.sweep.seeds = (), ()
+    out.sweep.points, out.sweep.seeds, out.sweep.scheduler = (), (), ""
     return out
 
   @classmethod
@@ -120,7 +125,7 @@ class Sweep:
     varied = tuple(n for n in SWEPT if len({m[n] for m in members}) > 1)
     if len(seeds) > 1:
       varied += ("seed",)
-    return cls(members, varied)
+    return cls(members, varied, scheduler=s.scheduler)
 
 
 def strategy_for(config: ml_collections.ConfigDict, sweep: Sweep | None,
@@ -161,13 +166,25 @@ def fit_strategy(sweep: Sweep, strategy: Any) -> None:
         f"one model; sweeps train as ensembles: set config.strategy.name to "
         f"'sharded_ensemble' (any member count that divides over its 'ensemble' mesh axis) "
         f"or 'pmap_ensemble' (one member per local device).")
-  if strategy.num_members != len(sweep):
+  if sweep.scheduler == "halving":  # Slots take the configurations in turn.
+    if strategy.num_members > len(sweep):
+      raise ValueError(
+          f"config.sweep describes {len(sweep)} configurations but the strategy "
+          f"{strategy.name!r} holds {strategy.num_members} slots "
+          f"(config.ensemble_size={strategy.num_members}); successive halving fills each "
+          f"slot with a configuration: set config.ensemble_size to at most {len(sweep)} "
+          f"(0 takes the sweep's count).")
+  elif strategy.num_members != len(sweep):
     raise ValueError(
         f"config.sweep describes {len(sweep)} members but the strategy {strategy.name!r} "
         f"holds {strategy.num_members} (config.ensemble_size={strategy.num_members}); set "
-        f"config.ensemble_size=0 to take the sweep's count, or change the sweep.")
+        f"config.ensemble_size=0 to take the sweep's count, or change the sweep"
+        + ("" if sweep.scheduler else " (config.sweep.scheduler='halving' trains more "
+           "configurations than members, refilling the slots of stopped ones)") + ".")
   if strategy.member_seeds is None:
     strategy.member_seeds = sweep.seeds
+  # Under halving the slots start with the first configurations; the rest wait.
+  strategy.member_seeds = list(strategy.member_seeds)[:strategy.num_members]
 
 
 def _fmt(value: float) -> str:

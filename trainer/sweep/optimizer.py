@@ -9,7 +9,7 @@ decay) is computed from the member's peak rate and warmup in the step.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -78,7 +78,10 @@ def swept_optimizer(config: ml_collections.ConfigDict, sweep: Sweep,
   end_factor = config.schedule.end_factor
   groups = param_groups(config) if labels is not None else []
 
-  def chain(learning_rate, warmup_steps, weight_decay, momentum_value, b1, grad_clip_norm):
+  def chain(learning_rate, warmup_steps, weight_decay, momentum_value, b1, grad_clip_norm,
+            active=None):
+    del active  # Read by the recipe's `HoldInactive`, which keeps a frozen slot's state.
+
     def rate(count, scale=1.0):
       return scale * schedule_value(count, peak=learning_rate, warmup=warmup_steps,
                                     name=schedule, num_train_steps=num_train_steps,
@@ -109,10 +112,12 @@ def swept_optimizer(config: ml_collections.ConfigDict, sweep: Sweep,
     return by_labels(make, groups, labels, clip=clip if clips else None)
 
   base = sweep.members[0]
+  # A scheduler that freezes slots (halving) keeps a per-slot `active` flag beside them.
+  frozen = {"active": 1.0} if sweep.scheduler == "halving" else {}
   return optax.inject_hyperparams(chain)(
       learning_rate=base["learning_rate"], warmup_steps=base["warmup_steps"],
       weight_decay=base["weight_decay"], momentum_value=base["momentum"], b1=base["b1"],
-      grad_clip_norm=base["grad_clip_norm"])
+      grad_clip_norm=base["grad_clip_norm"], **frozen)
 
 
 #: `swept_optimizer`'s injected argument -> the swept name it holds.
@@ -122,22 +127,35 @@ INJECTED = {"learning_rate": "learning_rate", "warmup_steps": "warmup_steps",
 
 
 def place_hyperparameters(state: PyTree, sweep: Sweep) -> PyTree:
-  """A stacked ensemble state whose optimizer holds each member's own values.
+  """A stacked ensemble state whose optimizer holds each member's own values: the
+  sweep's first configurations, one per member (every one of them, for a grid)."""
+  num_slots = int(np.shape(state.step)[0])
+  return place_rows(state, sweep.members[:num_slots])
+
+
+def place_rows(state: PyTree, rows: Sequence[Mapping[str, float]],
+               active: Sequence[bool] | None = None) -> PyTree:
+  """A stacked ensemble state whose member i trains with `rows[i]`'s hyperparameters
+  (and, where the optimizer keeps one, `active[i]`: False freezes it).
 
   Each injected hyperparameter (an array with a leading member axis) is
-  replaced by the members' values, placed as the array it replaces.
+  replaced by the rows' values, placed as the array it replaces.
   """
   hyper = dict(state.opt_state.hyperparams)
   for arg, name in INJECTED.items():
-    old = hyper[arg]
-    values = np.asarray(sweep.column(name), dtype=old.dtype).reshape(old.shape)
-    hyper[arg] = jax.device_put(values, old.sharding)
+    hyper[arg] = _placed([row[name] for row in rows], hyper[arg])
+  if "active" in hyper:
+    hyper["active"] = _placed([1.0 if a else 0.0 for a in (active or [True] * len(rows))],
+                              hyper["active"])
   state = state.replace(opt_state=state.opt_state._replace(hyperparams=hyper))
   if getattr(state, "ema_decay", None) is not None:
-    old = state.ema_decay
-    values = np.asarray(sweep.column("ema_decay"), dtype=old.dtype).reshape(old.shape)
-    state = state.replace(ema_decay=jax.device_put(values, old.sharding))
+    state = state.replace(ema_decay=_placed([row["ema_decay"] for row in rows],
+                                            state.ema_decay))
   return state
+
+
+def _placed(values: Sequence[float], like: jax.Array) -> jax.Array:
+  return jax.device_put(np.asarray(values, dtype=like.dtype).reshape(like.shape), like.sharding)
 
 
 def single_model_opt_state(opt_state: PyTree, target: PyTree) -> PyTree:

@@ -5,10 +5,12 @@ exported as a single-model checkpoint.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
 import os
+import shutil
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -19,8 +21,11 @@ import numpy as np
 
 from trainer.loop.actions import Action, Produced, StepView
 from trainer.step.optim import create_schedule, optimizer_for
+from trainer.sweep import schedulers
 from trainer.sweep.members import Sweep
 from trainer.sweep.optimizer import single_model_opt_state
+from trainer.sweep.schedulers import Scheduler
+from trainer.sweep.select import Selection
 
 if TYPE_CHECKING:  # Only annotations: clu's writers import TensorFlow (seconds).
   from clu import metric_writers
@@ -30,14 +35,16 @@ PyTree = Any
 
 
 class SweepReport(Action):
-  """A sweep's results: each member's eval metrics under its label, the best member, a
-  summary at the end (a table in the log, `sweep.json`), and the best member exported.
+  """A sweep's results and choices: each slot's eval metrics under its configuration's
+  label, the scheduler's decision at each evaluation (applied to the state: a
+  `trainer.sweep.select.Selection`), the best member, and a summary at the end (a table
+  in the log, `sweep.json`, the plots) with the best member exported.
 
   Args:
     writer: where `eval/<label>/<metric>` scalars go.
     evaluate_members: `(state, batches) -> [results of member i]`.
     eval_batches: returns a fresh iterable of eval batches per evaluation.
-    labels: each member's label (`Sweep.label`).
+    selection: the scheduler and how its decisions reach the state.
     every_steps: the evaluation schedule (and the last step).
     metric, mode: what "best" means (`config.sweep.metric`/`mode`; "" takes the
       first metric).
@@ -51,30 +58,54 @@ class SweepReport(Action):
 
   def __init__(self, writer: metric_writers.MetricWriter,
                evaluate_members: Callable[[Any, Iterable[Batch]], list[dict[str, float]]],
-               eval_batches: Callable[[], Iterable[Batch]], *, labels: list[str],
+               eval_batches: Callable[[], Iterable[Batch]], *, selection: Selection,
                every_steps: int, metric: str, mode: str,
                summarize: Callable[[Any, int, list[dict[str, float]], int], None]):
     if mode not in ("min", "max"):
       raise ValueError(f"config.sweep.mode={mode!r} must be 'min' or 'max'.")
     super().__init__(every_steps=every_steps)
     self.writer, self.evaluate_members, self.eval_batches = writer, evaluate_members, eval_batches
-    self.labels, self.metric, self.mode, self.summarize = labels, metric, mode, summarize
+    self.selection, self.metric, self.mode, self.summarize = selection, metric, mode, summarize
     self.results: list[dict[str, float]] | None = None
     self._last: int | None = None
 
+  def begin(self, view: StepView) -> None:
+    scheduler = self.selection.scheduler  # `fit(num_steps)` is each trial's length.
+    scheduler.budget = view.num_steps // scheduler.rounds
+    if scheduler.name == "halving" and any(r >= scheduler.budget for r in scheduler.rungs):
+      raise ValueError(
+          f"config.sweep.halving.rungs={scheduler.rungs}: a trial trains "
+          f"{scheduler.budget} steps (fit's num_steps), so every rung must be below that.")
+
   def triggers(self, view: StepView) -> bool:
-    return super().triggers(view) and not view.preempted
+    """At each evaluation, and where a trial ends its budget (under a scheduler)."""
+    if view.preempted:
+      return False
+    due = self.selection.scheduler.next_due(view.previous_step)
+    return super().triggers(view) or (due is not None and due <= view.step)
+
+  def next_boundary(self, step: int) -> int | None:
+    due = self.selection.scheduler.next_due(step)
+    every = super().next_boundary(step)
+    return min(b for b in (due, every) if b is not None) if (due or every) else None
 
   def run(self, view: StepView) -> Produced:
     start = time.perf_counter()
-    self.results = self.evaluate_members(view.state, self.eval_batches())
+    results = self.evaluate_members(view.state, self.eval_batches())
+    self.results = results
     self.writer.write_scalars(view.step, {f"eval/{label}/{k}": v for label, r in
-                                          zip(self.labels, self.results, strict=True)
-                                          for k, v in r.items()})
+                                          zip(self.selection.labels(), results, strict=True)
+                                          if label is not None for k, v in r.items()})
+    state, decision = self.selection.choose(
+        view.state, view.step, [r[self.metric_name()] for r in results], last=view.is_last)
     self._last = view.step
     best = self.best()
+    finished = decision.finished and not view.is_last
     return Produced(eval_seconds=time.perf_counter() - start,
-                    best=(view.step, self.results[best][self.metric_name()]))
+                    best=(view.step, results[best][self.metric_name()]),
+                    state=None if state is view.state else state,
+                    stop=("sweep finished: every configuration stopped or completed its steps"
+                          if finished else None))
 
   def metric_name(self) -> str:
     if self.metric and self.metric not in self.results[0]:
@@ -94,17 +125,31 @@ class SweepReport(Action):
       return None
     produced = None
     if self._last != view.step and view.step > view.start_step:
-      produced = self.run(view)
+      produced = self.run(dataclasses.replace(view, num_steps=view.step))  # The last one.
     if self.results is not None:
       self.summarize(view.state, view.step, self.results, self.best())
     return produced
 
+  def state_dict(self) -> dict[str, Any] | None:
+    """The scheduler's history and choices (resumed with the run's checkpoint)."""
+    return self.selection.scheduler.state_dict()
 
-def summary_rows(sweep: Sweep, results: Sequence[Mapping[str, float]]) -> list[dict[str, Any]]:
-  """One row per member: its label, swept values and results."""
-  return [{"member": i, "label": sweep.label(i),
-           **{n: sweep.members[i][n] for n in sweep.varied}, **dict(r)}
-          for i, r in enumerate(results)]
+  def load_state_dict(self, state: dict[str, Any]) -> None:
+    self.selection.scheduler.load_state_dict(state)
+
+
+def summary_rows(sweep: Sweep, results: Sequence[Mapping[str, float]],
+                 scheduler: Scheduler | None = None) -> list[dict[str, Any]]:
+  """One row per member (slot): the configuration it holds (the last one, under a
+  scheduler), its label, swept values and results."""
+  rows = []
+  for i, r in enumerate(results):
+    record = scheduler.last_record(i) if scheduler is not None else None
+    trial = i if record is None else record["trial"]
+    values = sweep.members[i] if record is None else record["values"]
+    rows.append({"member": i, "trial": trial, "label": sweep.label(trial),
+                 **{n: values[n] for n in sweep.varied}, **dict(r)})
+  return rows
 
 
 def format_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[str]) -> str:
@@ -148,56 +193,119 @@ def plot(rows: Sequence[Mapping[str, Any]], varied: Sequence[str], metric: str, 
 def export_member(state: PyTree, member: int, directory: str, *, sweep: Sweep,
                   config: ml_collections.ConfigDict, strategy: Any,
                   num_train_steps: int | None,
-                  labels: Callable[[PyTree], PyTree] | None = None) -> None:
+                  labels: Callable[[PyTree], PyTree] | None = None,
+                  step: int | None = None, trial: int | None = None,
+                  values: Mapping[str, float] | None = None) -> None:
   """Writes sweep member `member` of `state` as a single-model checkpoint in `directory`.
 
   It restores under any single-model strategy built from
   `sweep.member_config(config, member)`, and a run there resumes from it: its
   optimizer state is converted to the layout of that config's optimizer
   (`trainer.step.optim.optimizer_for`, grouped by `labels` when given, with a
-  schedule over `num_train_steps`).
+  schedule over `num_train_steps`). Under a scheduler, the slot `member` holds
+  configuration `trial` with `values` (after PBT explored them), `step` steps in.
+  An earlier export in `directory` (the sweep's best so far) is replaced.
   """
   from strategies.single_device import SingleDevice
   from trainer.checkpoint import Checkpointer, RunState, save_run
   one = jax.tree.map(lambda x: x[member], strategy.to_canonical(state))
-  member_config = sweep.member_config(config, member)
+  if step is not None:
+    one = one.replace(step=np.asarray(step, np.asarray(one.step).dtype))
+  trial = member if trial is None else trial
+  member_config = sweep.member_config(config, trial, values)
   plain = optimizer_for(member_config, create_schedule(member_config, num_train_steps),
                         labels=labels)
   one = one.replace(opt_state=single_model_opt_state(one.opt_state, plain.init(one.params)))
   if getattr(one, "ema_decay", None) is not None:  # A fixed decay there: from its config.
     one = one.replace(ema_decay=None)
   single = SingleDevice()
+  if os.path.isdir(directory):  # This sweep's earlier export (a better member since).
+    logging.info("Replacing the sweep's earlier export in %s", directory)
+    shutil.rmtree(directory)
   checkpointer = Checkpointer(directory, every_steps=0, async_save=False)
   try:
     save_run(checkpointer, single, RunState(jax.device_put(one, single.device), int(one.step)))
     checkpointer.wait()
   finally:
     checkpointer.close()
-  logging.info("Sweep member %d (%s) exported to %s", member, sweep.label(member), directory)
+  logging.info("Sweep member %d (%s) exported to %s", member, sweep.label(trial), directory)
+
+
+def plot_curves(scheduler: Scheduler, metric: str, path: str) -> None:
+  """Saves a PNG of every trial's `metric` against the run's steps, one colour per
+  configuration: a circle where a trial started in a refilled slot, a cross where one
+  was stopped, a triangle where a member copied another (PBT)."""
+  import matplotlib
+  matplotlib.use("Agg")  # Files only: no display.
+  from matplotlib import pyplot as plt
+
+  fig, ax = plt.subplots(figsize=(7, 4))
+  colours = plt.get_cmap("viridis")
+  n = max(len(scheduler.sweep) - 1, 1)
+  for r in scheduler.trials:
+    if not r["curve"]:
+      continue
+    steps = [p[0] for p in r["curve"]]
+    values = [p[2] for p in r["curve"]]
+    colour = colours(r["trial"] / n)
+    ax.plot(steps, values, color=colour, lw=1)
+    if r["start"] > 0:
+      ax.scatter([steps[0]], [values[0]], color=colour,
+                 marker="^" if "parent" in r else "o", s=30)
+    if r["status"] == "stopped":
+      ax.scatter([steps[-1]], [values[-1]], color=colour, marker="x", s=40)
+  ax.set_xlabel("step")
+  ax.set_ylabel(metric)
+  ax.set_title(f"{scheduler.name or 'grid'}: o refilled, x stopped, ^ copied")
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+  plt.close(fig)
 
 
 def summarize(state: PyTree, step: int, results: list[dict[str, float]], best: int, *,
-              sweep: Sweep, config: ml_collections.ConfigDict, workdir: str | None,
-              export: Callable[[PyTree, int, str], None]) -> None:
-  """A sweep's summary: a table in the log; with a `workdir`, `sweep.json`, `sweep.png`
-  (the metric against each swept hyperparameter) and the best member as a single-model
-  checkpoint in `<workdir>/sweep_best` (`export`; its config beside it,
-  `sweep_best_config.json`)."""
-  rows = summary_rows(sweep, results)
+              sweep: Sweep, scheduler: Scheduler, config: ml_collections.ConfigDict,
+              workdir: str | None, export: Callable[..., None]) -> None:
+  """A sweep's summary: a table in the log; with a `workdir`, `sweep.json` (every
+  member's results, every trial's history, the scheduler's events and lineage, the
+  model-steps spent), `sweep.png` (the metric against each swept hyperparameter),
+  `sweep_curves.png` (each trial's metric against steps) and the best member as a
+  single-model checkpoint in `<workdir>/sweep_best` (`export`; its config beside it,
+  `sweep_best_config.json`).
+
+  Under a scheduler the best is the best trial that completed its steps; one whose
+  slot was refilled after it completed was exported then (`Selection`).
+  """
+  rows = summary_rows(sweep, results, scheduler)
   names = list(results[0])
-  logging.info("Sweep at step %d, best member %d (%s):\n%s", step, best, sweep.label(best),
+  metric = config.sweep.metric or names[0]
+  slot, trial, values, age = best, rows[best]["trial"], None, None
+  best_row = rows[best]
+  if scheduler.name:
+    record = scheduler.best_trial()
+    slot = record["slot"] if scheduler.last_record(record["slot"]) is record else None
+    trial, values = record["trial"], record["values"]
+    age = (record["end"] if record["end"] is not None else step) - record["start"]
+    best_row = rows[slot] if slot is not None else {
+        "trial": trial, "label": sweep.label(trial), metric: record["curve"][-1][2]}
+  logging.info("Sweep at step %d, best %s (%s):\n%s", step,
+               f"member {slot}" if slot is not None else f"trial {trial}", sweep.label(trial),
                format_table(rows, ["label", *names]))
   if not workdir or jax.process_index() > 0:
     return
   os.makedirs(workdir, exist_ok=True)
-  metric = config.sweep.metric or names[0]
   with open(os.path.join(workdir, "sweep.json"), "w") as f:
     json.dump({"step": step, "metric": metric, "mode": config.sweep.mode,
-               "best": rows[best], "members": rows}, f, indent=1)
+               "scheduler": scheduler.name, "budget": scheduler.budget,
+               "model_steps": scheduler.model_steps(step), "best": best_row, "members": rows,
+               "trials": scheduler.trials, "events": scheduler.events,
+               "lineage": getattr(scheduler, "lineage", [])}, f, indent=1)
   plot(rows, sweep.varied, metric, best, os.path.join(workdir, "sweep.png"))
-  export(state, best, os.path.join(workdir, "sweep_best"))
+  plot_curves(scheduler, metric, os.path.join(workdir, "sweep_curves.png"))
+  if slot is not None:
+    export(state, slot, os.path.join(workdir, "sweep_best"), step=age, trial=trial,
+           values=values)
   with open(os.path.join(workdir, "sweep_best_config.json"), "w") as f:
-    f.write(sweep.member_config(config, best).to_json(indent=1))
+    f.write(sweep.member_config(config, trial, values).to_json(indent=1))
 
 
 def actions(sweep: Sweep, config: ml_collections.ConfigDict, *, strategy: Any,
@@ -205,9 +313,11 @@ def actions(sweep: Sweep, config: ml_collections.ConfigDict, *, strategy: Any,
             evaluate_members: Callable[[Any, Iterable[Batch]], list[dict[str, float]]],
             eval_batches: Callable[[], Iterable[Batch]], workdir: str | None,
             num_train_steps: int | None,
+            init_members: Callable[[list[int]], PyTree] | None = None,
             labels: Callable[[PyTree], PyTree] | None = None) -> list[Action]:
   """The sweep's actions for a run: its `SweepReport`, which evaluates every member at each
-  evaluation and summarizes the sweep at the end (`summarize`, `export_member`).
+  evaluation, applies the scheduler's choices (`config.sweep.scheduler`) and summarizes
+  the sweep at the end (`summarize`, `export_member`).
 
   Args:
     strategy: the ensemble strategy that holds the members.
@@ -218,12 +328,16 @@ def actions(sweep: Sweep, config: ml_collections.ConfigDict, *, strategy: Any,
     workdir: where the summary files and the best member go (None: the log only).
     num_train_steps, labels: how the exported member's optimizer is built
       (`export_member`).
+    init_members: `seeds -> placed state` for slots refilled with a new configuration
+      (`trainer.run.States.init_members`); needed by `scheduler='halving'`.
   """
   export = functools.partial(export_member, sweep=sweep, config=config, strategy=strategy,
                              num_train_steps=num_train_steps, labels=labels)
-  return [SweepReport(writer, evaluate_members, eval_batches,
-                      labels=[sweep.label(i) for i in range(len(sweep))],
+  scheduler = schedulers.create(config, sweep, slots=strategy.num_members, budget=0)
+  selection = Selection(scheduler, init_members=init_members, export=export, workdir=workdir)
+  return [SweepReport(writer, evaluate_members, eval_batches, selection=selection,
                       every_steps=config.eval_every_steps, metric=config.sweep.metric,
                       mode=config.sweep.mode,
-                      summarize=functools.partial(summarize, sweep=sweep, config=config,
-                                                  workdir=workdir, export=export))]
+                      summarize=functools.partial(summarize, sweep=sweep, scheduler=scheduler,
+                                                  config=config, workdir=workdir,
+                                                  export=export))]

@@ -1,0 +1,80 @@
+"""A sweep with a scheduler and checkpoints, for tests that kill a real process.
+
+    python tests/sweep_run.py --workdir=W --scheduler=halving --out=final.npz \
+        [--kill_after_save_at=2]
+
+Trains `FlaxStyleTrainer` (BatchNorm, dropout) on the test images under
+`pmap_ensemble`, resuming from `W/checkpoints` when it holds one, and writes
+the final state (checkpoint layout) to `--out`; the sweep's summary is in
+`W/sweep.json`. `--kill_after_save_at=S` SIGKILLs the process once the
+checkpoint of step S is complete (after that evaluation's choices).
+"""
+
+import argparse
+import logging
+import os
+import signal
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [HERE, os.path.dirname(HERE)]
+
+import conftest  # noqa: E402 -- sets the 8 fake devices before jax starts.
+import numpy as np  # noqa: E402
+from resume_run import flat  # noqa: E402
+from user_models import FlaxStyleTrainer  # noqa: E402
+
+from trainer.checkpoint import Checkpointer  # noqa: E402
+
+SCHEDULERS = {
+    "halving": {"sweep.scheduler": "halving", "sweep.halving.rungs": (2, 4),
+                "sweep.grid.learning_rate": (0.3, 0.1, 0.03, 0.01, 0.003, 0.001),
+                "sweep.seeds": (0, 1), "ensemble_size": 8},
+    "pbt": {"sweep.scheduler": "pbt", "sweep.pbt.ready_steps": 2,
+            "sweep.grid.learning_rate": (0.3, 0.1, 0.03, 0.01), "sweep.seeds": (0, 1),
+            "ensemble_size": 0},
+}
+
+
+class KillingCheckpointer(Checkpointer):
+  """Dies by SIGKILL once the save of one step is complete."""
+
+  kill_at: int = -1
+
+  def save(self, step, state, layout, **kwargs):
+    super().save(step, state, layout, **kwargs)
+    if step == self.kill_at:
+      self.wait()
+      os.kill(os.getpid(), signal.SIGKILL)
+
+
+def main():
+  parser = argparse.ArgumentParser()
+  parser.add_argument("--workdir", required=True)
+  parser.add_argument("--scheduler", choices=sorted(SCHEDULERS), required=True)
+  parser.add_argument("--out", required=True)
+  parser.add_argument("--kill_after_save_at", type=int, default=-1)
+  args = parser.parse_args()
+  logging.getLogger().setLevel(logging.INFO)
+  for noisy in ("absl", "jax", "orbax"):
+    logging.getLogger(noisy).setLevel(logging.WARNING)
+  config = conftest.cnn_config(**{
+      "strategy.name": "pmap_ensemble", "sweep.metric": "nll", "sweep.mode": "min",
+      "eval_every_steps": 2, "schedule.warmup_steps": 0, **SCHEDULERS[args.scheduler]})
+  trainer = FlaxStyleTrainer(config)
+  checkpointer = KillingCheckpointer(os.path.join(args.workdir, "checkpoints"), every_steps=2,
+                                     max_to_keep=3)
+  checkpointer.kill_at = args.kill_after_save_at
+  batches = conftest.image_batches(24, 16)
+  try:
+    result = trainer.fit(lambda start: batches[start:], num_steps=6, checkpointer=checkpointer,
+                         workdir=args.workdir,
+                         eval_batches=lambda: conftest.image_batches(2, 16, seed=9))
+  finally:
+    checkpointer.close()
+  np.savez(args.out, **flat(trainer.strategy.checkpoint_state(result.state)))
+  print(f"finished at step {result.step}: {result.stopped_by}", flush=True)
+
+
+if __name__ == "__main__":
+  main()
