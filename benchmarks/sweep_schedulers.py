@@ -101,7 +101,7 @@ def selection_cost(repeats: int) -> tuple[float, float]:
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--epochs", type=float, default=1)
+  parser.add_argument("--epochs", type=int, default=1)
   parser.add_argument("--manual-dir", default=os.path.join(ROOT, "..", "shared", "data",
                                                            "mnist"))
   parser.add_argument("--runs", default="grid,halving,pbt")

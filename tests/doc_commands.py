@@ -58,6 +58,10 @@ FEW_STEPS = {
     "benchmarks/structure.py": [],  # Reads source files only: seconds as written.
     "benchmarks/steps_per_call.py": ["--ks", "1,2", "--models", "one", "--steps", "2",
                                      "--repeats", "1", "--batch", "16"],
+    # Halving alone, trials of 2 steps on 512 images (the data the first command prepared).
+    "benchmarks/sweep_schedulers.py": ["--runs", "halving", "--selection-repeats", "1",
+                                       "--config.num_train_steps=2",
+                                       "--config.data.train_split=train[:512]"],
     "benchmarks/sweep_vs_runs.py": ["--members", "2", "--steps", "3", "--batch", "16",
                                     "--devices", "2"],
     "benchmarks/lm_mfu.py": ["--steps", "1", "--repeats", "1", "--layers", "1", "--batch", "2",
@@ -79,6 +83,7 @@ EXPECTED_OUTPUT = {
     "benchmarks/multiprocess_step_time.py": r"cnn_dp\s+\d\.\d{4}\s+\d\.\d{4}\s+\d\.\d{3}x",
     "benchmarks/structure.py": r"^import cycles\s+\S+\s+0$",
     "benchmarks/steps_per_call.py": r"one\s+2\s+\d+\.\d\s+\d+\.\d\s+\d+\.\d\s+\d+\.\d{3}x",
+    "benchmarks/sweep_schedulers.py": r"^selection step .* ratio \d+\.\d{2}$",
     "benchmarks/sweep_vs_runs.py": r"^ratio\s+\d+\.\d{2}x\s+\d+\.\d{2}x",
     "benchmarks/lm_mfu.py": (r"^cpu\s+float32\s+\d+\.\dM\s+\d+\.\d\s+\d+\.\d{4}\s+\d+\s+"
                              r"\d+\.\d{3}\s+\S+\s+\d+\.\d%"),
@@ -176,7 +181,7 @@ class Runner:
 
 def reads_real_mnist(command: str) -> bool:
   """MNIST commands read the data the first command prepared; TensorBoard reads its logs."""
-  return (script_of(command) == "examples/mnist_ensemble.py"
+  return (script_of(command) in ("examples/mnist_ensemble.py", "benchmarks/sweep_schedulers.py")
           or last_step(command).startswith(".venv/bin/tensorboard"))
 
 

@@ -338,7 +338,7 @@ class Trainer(abc.ABC):
         needs: batch i is step `start_step + i`'s), an iterable of host batches,
         or a `trainer.data.DeviceData` on the devices (`trainer.run.start.TrainData`).
         Each host batch holds this process's rows (`strategy.process_slice`).
-      num_steps: the step to stop at.
+      num_steps: the step to stop at (a halving sweep's: each trial's length).
       state: the state to continue from; else restored from `checkpointer`,
         else created from `config.seed`.
       eval_batches: returns a fresh iterable of eval batches for each evaluation.
@@ -348,8 +348,7 @@ class Trainer(abc.ABC):
       workdir: where a profile trace and a sweep's summary go.
 
     Returns:
-      A `FitResult`: the final state, the evaluations, why the run stopped, the
-      step's FLOPs.
+      A `FitResult`: final state, evaluations, why it stopped, the step's FLOPs.
 
     Raises:
       ValueError: a batch, a hook's output or `num_steps` that cannot work, before
