@@ -122,9 +122,9 @@ def main():
     grid = results["grid"]
     for name in [n for n in results if n != "grid"]:
       r = results[name]
+      points = 100 * (r["best"] - grid["best"])
       print(f"{name} / grid: model-steps {r['model_steps'] / grid['model_steps']:.2f}x, wall "
-            f"{r['wall'] / grid['wall']:.2f}x, best accuracy {100 * (r['best'] - grid['best']):+.2f}"
-            f" points")
+            f"{r['wall'] / grid['wall']:.2f}x, best accuracy {points:+.2f} points")
   chosen, train = selection_cost(args.selection_repeats)
   print(f"selection step (refill 6 of 8 CNN members from their seeds): {1000 * chosen:.1f} ms; "
         f"one train step of the 8: {1000 * train:.1f} ms; ratio {chosen / train:.2f}")
