@@ -65,6 +65,16 @@ def test_halving_stops_the_bottom_at_each_rung_refills_then_freezes():
   assert h.model_steps(8) == 20
 
 
+def test_derived_rungs_follow_the_trials_length_known_when_the_run_begins():
+  from trainer.sweep import schedulers
+  sweep, config = _sweep(4, **{"sweep.scheduler": "halving", "sweep.halving.min_steps": 36,
+                               "sweep.halving.reduction_factor": 4.0,
+                               "eval_every_steps": 36})
+  h = schedulers.create(config, sweep, slots=2, budget=0)  # As `trainer.sweep.actions` does.
+  h.set_budget(468)  # fit's num_steps, at `SweepReport.begin`.
+  assert h.rungs == (36, 144) and len(h.recorded) == 2
+
+
 def test_a_completed_trial_whose_slot_is_refilled_is_exported_first():
   sweep, _ = _sweep(4, **{"sweep.scheduler": "halving"})
   h = Halving(sweep, slots=2, budget=2, mode="max", rungs=(), reduction_factor=2)

@@ -71,7 +71,7 @@ class SweepReport(Action):
 
   def begin(self, view: StepView) -> None:
     scheduler = self.selection.scheduler  # `fit(num_steps)` is each trial's length.
-    scheduler.budget = view.num_steps // scheduler.rounds
+    scheduler.set_budget(view.num_steps // scheduler.rounds)
     if scheduler.name == "halving" and any(r >= scheduler.budget for r in scheduler.rungs):
       raise ValueError(
           f"config.sweep.halving.rungs={scheduler.rungs}: a trial trains "

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import ml_collections
@@ -141,6 +141,10 @@ class Scheduler:
         record["curve"].append([step, step - self.start[slot], float(value)])
     return self.decide(step, [float(v) for v in values])
 
+  def set_budget(self, budget: int) -> None:
+    """Sets the trials' length (`fit`'s num_steps, known when the run begins)."""
+    self.budget = budget
+
   def observe_only(self, step: int, values: Sequence[float]) -> None:
     """Records each slot's metric at the run's last evaluation; a trial that ran its
     budget there is completed (one cut short stays 'running')."""
@@ -208,12 +212,20 @@ class Halving(Scheduler):
                rungs: Sequence[int], reduction_factor: float):
     super().__init__(sweep, slots=slots, budget=budget, mode=mode)
     self.rungs, self.reduction_factor = tuple(int(r) for r in rungs), reduction_factor
+    #: Derives the rungs from the budget once it is known (None: `rungs` as given).
+    self.derive_rungs: Callable[[int], tuple[int, ...]] | None = None
     #: Next configuration not yet tried.
     self.next_trial = slots
     #: Per rung, `{trial: metric}` of every trial that reached it.
     self.recorded: list[dict[str, float]] = [{} for _ in self.rungs]
     #: `(trial, metric)` of the best completed trial exported so far.
     self.exported: tuple[int, float] | None = None
+
+  def set_budget(self, budget: int) -> None:
+    super().set_budget(budget)
+    if self.derive_rungs is not None:
+      self.rungs = self.derive_rungs(budget)
+      self.recorded = [{} for _ in self.rungs] if not any(self.recorded) else self.recorded
 
   def decide(self, step: int, values: list[float]) -> Decision:
     freed: list[int] = []
@@ -417,9 +429,12 @@ def create(config: ml_collections.ConfigDict, sweep: Sweep, *, slots: int,
   if not s.scheduler:
     return Scheduler(sweep, slots=slots, budget=budget, mode=s.mode)
   if s.scheduler == "halving":
-    return Halving(sweep, slots=slots, budget=budget, mode=s.mode,
-                   rungs=halving_rungs(config, budget),
-                   reduction_factor=s.halving.reduction_factor)
+    halving = Halving(sweep, slots=slots, budget=budget, mode=s.mode,
+                      rungs=halving_rungs(config, budget),
+                      reduction_factor=s.halving.reduction_factor)
+    if not len(s.halving.rungs):  # Derived from the trials' length, once it is known.
+      halving.derive_rungs = lambda length: halving_rungs(config, length)
+    return halving
   return PopulationBased(sweep, slots=slots, budget=budget, mode=s.mode,
                          ready_steps=s.pbt.ready_steps or config.eval_every_steps,
                          fraction=s.pbt.fraction, perturb=tuple(s.pbt.perturb),
