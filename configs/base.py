@@ -175,6 +175,9 @@ def get_config() -> ml_collections.ConfigDict:
   # configuration; ensemble_size may then be below the sweep's count); "pbt"
   # (population-based training: the bottom `fraction` copy the top and explore).
   config.sweep.scheduler = ""
+  # A learning-rate range test (trainer/sweep/lr_find.py): with sweep.grid.learning_rate
+  # log-spaced, record each member's train loss every step and suggest a rate at the end.
+  config.sweep.lr_find = False
   config.sweep.halving = ml_collections.ConfigDict()
   config.sweep.halving.rungs = ()  # Ages (a member's own steps) compared at; () derives them:
   config.sweep.halving.min_steps = 0  # First rung (0: eval_every_steps), then x reduction.

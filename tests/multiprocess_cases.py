@@ -58,6 +58,15 @@ def config_of(case: str) -> ml_collections.ConfigDict:
     config.sweep.grid.learning_rate = (0.05, 0.02)
     config.sweep.seeds = (0, 1)
     return config
+  if case == "halving_ensemble":  # The sweep's layout choosing: 6 configurations, 4 slots.
+    config = config_of("sweep_ensemble")
+    config.ensemble_size = 4
+    config.sweep.grid.learning_rate = (0.1, 0.05, 0.02)
+    config.sweep.scheduler = "halving"
+    config.sweep.halving.rungs = (2,)
+    config.sweep.metric, config.sweep.mode = "nll", "min"
+    config.eval_every_steps = 2
+    return config
   if case == "lm_fsdp":  # Every weight and its optimizer state sharded over all 8 devices.
     config = tiny_lm_config("fsdp")
     config.log_every_steps = 1
@@ -68,7 +77,8 @@ def config_of(case: str) -> ml_collections.ConfigDict:
   raise ValueError(f"unknown case {case!r}")
 
 
-CASES = ("resnet_dp", "nnx_ensemble", "device_ensemble", "sweep_ensemble", "lm_fsdp")
+CASES = ("resnet_dp", "nnx_ensemble", "device_ensemble", "sweep_ensemble", "halving_ensemble",
+         "lm_fsdp")
 
 
 def trainer_of(case: str, strategy=None):
@@ -80,6 +90,7 @@ def trainer_of(case: str, strategy=None):
   cls = {"resnet_dp": user_models.ResNetTrainer, "nnx_ensemble": user_models.NnxBatchNormTrainer,
          "device_ensemble": user_models.NnxBatchNormTrainer,
          "sweep_ensemble": user_models.NnxBatchNormTrainer,
+         "halving_ensemble": user_models.NnxBatchNormTrainer,
          "lm_fsdp": LanguageModelTrainer}[case]
   return cls(config_of(case), strategy=strategy)
 
@@ -133,7 +144,7 @@ def run(case: str, workdir: str, num_steps: int = NUM_STEPS, strategy=None, acti
   try:
     result = trainer.fit(
         train_batches(case, trainer.strategy.process_slice(trainer.config.batch_size)),
-        num_steps=num_steps, checkpointer=checkpointer, writer=writer,
+        num_steps=num_steps, checkpointer=checkpointer, writer=writer, workdir=workdir,
         eval_batches=lambda: eval_batches(case), actions=actions)
   finally:
     checkpointer.close()

@@ -26,7 +26,7 @@ from user_models import FlaxStyleTrainer, NnxCNNTrainer
 
 from strategies.single_device import SingleDevice
 from trainer import Action
-from trainer.sweep import Halving, PopulationBased, Sweep
+from trainer.sweep import Halving, PopulationBased, Sweep, suggest
 from trainer.sweep.schedulers import check_config, program_steps
 
 
@@ -358,3 +358,54 @@ def test_pbt_members_copy_their_parents_state_and_train_with_explored_values(tmp
   record = summary["best"]
   assert best["learning_rate"] == pytest.approx(record["learning_rate"])
   assert result.step == 4
+
+
+# -- The learning-rate range test ----------------------------------------------------------
+
+def test_the_range_test_suggests_the_steepest_stable_rate():
+
+  rates = [1e-3, 1e-2, 1e-1, 1.0, 10.0]
+  steps = np.arange(50)
+  finals = [2.2, 1.5, 0.4, 0.3, np.nan]  # 10.0 goes non-finite.
+  losses = np.stack([2.3 + (f - 2.3) * (1 - np.exp(-steps / 10)) if np.isfinite(f)
+                     else np.where(steps < 20, 2.3, np.inf) for f in finals])
+  losses[3, -25:] = 4.0  # 1.0 ends well above where it began: diverged too.
+  got = suggest(rates, losses)
+  assert got["diverged"] == [False, False, False, True, True]
+  assert got["largest_stable"] == 0.1 and got["lowest_loss"] == 0.1
+  assert got["steepest"] == 0.1  # The largest fall per decade: 1.5 -> 0.4.
+
+
+def test_a_range_test_records_every_members_loss_at_every_step(tmp_path):
+  config = cnn_config(**{"strategy.name": "pmap_ensemble", "ensemble_size": 0,
+                         "sweep.grid.learning_rate": tuple(np.geomspace(1e-3, 30.0, 8)),
+                         "sweep.lr_find": True, "nonfinite": "skip", "steps_per_call": 2,
+                         "schedule.warmup_steps": 0})
+  trainer = FlaxStyleTrainer(config)
+  batches = image_batches(12, 16)
+  trainer.fit(lambda s: batches[s:], num_steps=12, workdir=str(tmp_path))  # No evaluation.
+  found = json.loads((tmp_path / "lr_find.json").read_text())
+  assert (tmp_path / "lr_find.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+  losses = np.asarray(found["losses"], float)
+  assert losses.shape == (8, 12) and found["steps"] == 12  # 2 steps a call, each kept.
+  assert found["learning_rates"] == pytest.approx(list(np.geomspace(1e-3, 30.0, 8)))
+  assert found["diverged"][-1] and not found["diverged"][0]
+  assert found["steepest"] in found["learning_rates"]
+  # Member 0's curve is its single run's loss at each step.
+  single = FlaxStyleTrainer(trainer.sweep.member_config(config, 0), strategy=SingleDevice())
+  seen = []
+
+  class Losses(Action):
+    def run(self, view):
+      m = single.strategy.fetch_metrics([view.outputs["metrics"]])[0]
+      seen.extend(np.atleast_1d(np.asarray(m.loss.total) / np.asarray(m.loss.count)))
+
+  single.fit(lambda s: batches[s:], num_steps=12, actions=[Losses(every_steps=1)])
+  np.testing.assert_allclose(losses[0], seen, rtol=1e-5)
+
+
+def test_a_range_test_without_rates_is_refused():
+  config = cnn_config(**{"sweep.lr_find": True, "sweep.seeds": (0, 1), "ensemble_size": 0,
+                         "strategy.name": "sharded_ensemble"})
+  with pytest.raises(ValueError, match=r"config.sweep.lr_find=True reads the loss"):
+    FlaxStyleTrainer(config)

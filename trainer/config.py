@@ -41,13 +41,14 @@ def check_config(config: ml_collections.ConfigDict) -> None:
   from trainer.step import accumulation, functions, optim, recipe
   from trainer.step.precision import Precision
   from trainer.step.remat import Remat
-  from trainer.sweep import schedulers
+  from trainer.sweep import lr_find, schedulers
   from trainer.sweep.members import Sweep
 
   RunOptions.from_config(config)
   functions.check_steps_loop(config.steps_loop)
   sweep = Sweep.from_config(config)
   schedulers.check_config(config, sweep)
+  lr_find.check_config(config, sweep)
   optim.check_config(config, swept=sweep is not None)
   Precision.from_config(config)
   accumulation.check_loop(config.grad_accum_loop)

@@ -256,7 +256,7 @@ class Trainer(abc.ABC):
     if writer is None:
       from clu import metric_writers  # Imports TensorFlow: only when it is needed.
       writer = metric_writers.LoggingWriter()
-    after_eval = [] if self.sweep is None or eval_batches is None else sweep_lib.actions(
+    after_eval = [] if self.sweep is None else sweep_lib.actions(
         self.sweep, self.config, strategy=self.strategy, writer=writer,
         evaluate_members=self.evaluator.evaluate_members, eval_batches=eval_batches,
         workdir=workdir, num_train_steps=self.num_train_steps, labels=self.labels,

@@ -485,7 +485,8 @@ def from_config(config: ml_collections.ConfigDict, *, writer: metric_writers.Met
     checkpointer: where the run is saved (None: no checkpoints, no SIGTERM handling).
     eval_batches: returns a fresh iterable of eval batches (None: no evaluation).
     workdir: where a profile trace goes when `profile.logdir` is empty.
-    after_eval: actions that run right after `Evaluate` (a sweep's report).
+    after_eval: actions that run right after `Evaluate` (a sweep's report), or where it
+      would run.
 
   Raises:
     ValueError: an early-stopping or profile setting that cannot work (before any step).
@@ -500,7 +501,7 @@ def from_config(config: ml_collections.ConfigDict, *, writer: metric_writers.Met
   if eval_batches is not None:
     actions.append(Evaluate(writer, evaluate, eval_batches, every_steps=config.eval_every_steps,
                             variants=recipe.eval_variants))
-    actions.extend(after_eval)
+  actions.extend(after_eval)
   actions.extend(_early_stopping(config, has_eval=eval_batches is not None))
   if checkpointer:
     actions.append(Checkpoint(

@@ -17,7 +17,8 @@ the single-model run with its hyperparameters and that seed.
 - `schedulers`: sweeps that choose (`config.sweep.scheduler`): successive
   halving with slot reuse (`Halving`) and population-based training
   (`PopulationBased`), decided from each evaluation; `select`: their decisions
-  applied to the stacked state (`Selection`);
+  applied to the stacked state (`Selection`); `lr_find`: a learning-rate range
+  test (`config.sweep.lr_find`: `LrFind`, `suggest`, `lr_find_config`);
 - `report`: what a sweep reports and leaves behind (`SweepReport`, `summarize`,
   `export_member`, `plot`, `plot_curves`), and `actions`, the sweep's actions
   for a run.
@@ -31,6 +32,7 @@ from trainer import _lazy
 _EXPORTS = {
     "Halving": "trainer.sweep.schedulers",
     "INJECTED": "trainer.sweep.optimizer",
+    "LrFind": "trainer.sweep.lr_find",
     "NOT_SWEPT": "trainer.sweep.members",
     "SWEPT": "trainer.sweep.members",
     "PopulationBased": "trainer.sweep.schedulers",
@@ -43,6 +45,7 @@ _EXPORTS = {
     "export_member": "trainer.sweep.report",
     "fit_strategy": "trainer.sweep.members",
     "format_table": "trainer.sweep.report",
+    "lr_find_config": "trainer.sweep.lr_find",
     "place_hyperparameters": "trainer.sweep.optimizer",
     "place_rows": "trainer.sweep.optimizer",
     "plot": "trainer.sweep.report",
@@ -52,6 +55,7 @@ _EXPORTS = {
     "single_model_opt_state": "trainer.sweep.optimizer",
     "strategy_for": "trainer.sweep.members",
     "summarize": "trainer.sweep.report",
+    "suggest": "trainer.sweep.lr_find",
     "summary_rows": "trainer.sweep.report",
     "swept_optimizer": "trainer.sweep.optimizer",
 }

@@ -83,6 +83,7 @@ class Sweep:
     for name in SWEPT:
       out.sweep.grid[name] = ()
     out.sweep.points, out.sweep.seeds, out.sweep.scheduler = (), (), ""
+    out.sweep.lr_find = False
     return out
 
   @classmethod

@@ -22,6 +22,7 @@ import numpy as np
 from trainer.loop.actions import Action, Produced, StepView
 from trainer.step.optim import create_schedule, optimizer_for
 from trainer.sweep import schedulers
+from trainer.sweep.lr_find import LrFind
 from trainer.sweep.members import Sweep
 from trainer.sweep.optimizer import single_model_opt_state
 from trainer.sweep.schedulers import Scheduler
@@ -204,10 +205,17 @@ def export_member(state: PyTree, member: int, directory: str, *, sweep: Sweep,
   (`trainer.step.optim.optimizer_for`, grouped by `labels` when given, with a
   schedule over `num_train_steps`). Under a scheduler, the slot `member` holds
   configuration `trial` with `values` (after PBT explored them), `step` steps in.
-  An earlier export in `directory` (the sweep's best so far) is replaced.
+  An earlier export in `directory` (the sweep's best so far) is replaced. A run of
+  several processes exports nothing (it logs how to restore the member instead).
   """
   from strategies.single_device import SingleDevice
   from trainer.checkpoint import Checkpointer, RunState, save_run
+  if jax.process_count() > 1:  # A one-device checkpoint is written by one process.
+    logging.warning("Sweep member %d not exported: a run of %d processes keeps its members in "
+                    "its own checkpoints; restore one in a single process with "
+                    "Trainer.restore_checkpoint(..., member=%d).", member,
+                    jax.process_count(), member)
+    return
   one = jax.tree.map(lambda x: x[member], strategy.to_canonical(state))
   if step is not None:
     one = one.replace(step=np.asarray(step, np.asarray(one.step).dtype))
@@ -315,7 +323,8 @@ def actions(sweep: Sweep, config: ml_collections.ConfigDict, *, strategy: Any,
             num_train_steps: int | None,
             init_members: Callable[[list[int]], PyTree] | None = None,
             labels: Callable[[PyTree], PyTree] | None = None) -> list[Action]:
-  """The sweep's actions for a run: its `SweepReport`, which evaluates every member at each
+  """The sweep's actions for a run: with `config.sweep.lr_find`, the range test's `LrFind`;
+  with `eval_batches`, its `SweepReport`, which evaluates every member at each
   evaluation, applies the scheduler's choices (`config.sweep.scheduler`) and summarizes
   the sweep at the end (`summarize`, `export_member`).
 
@@ -331,11 +340,15 @@ def actions(sweep: Sweep, config: ml_collections.ConfigDict, *, strategy: Any,
     init_members: `seeds -> placed state` for slots refilled with a new configuration
       (`trainer.run.States.init_members`); needed by `scheduler='halving'`.
   """
+  found = ([LrFind(sweep, fetch_metrics=strategy.fetch_metrics, workdir=workdir)]
+           if config.sweep.lr_find else [])
+  if eval_batches is None:  # Nothing to report or choose from.
+    return found
   export = functools.partial(export_member, sweep=sweep, config=config, strategy=strategy,
                              num_train_steps=num_train_steps, labels=labels)
   scheduler = schedulers.create(config, sweep, slots=strategy.num_members, budget=0)
   selection = Selection(scheduler, init_members=init_members, export=export, workdir=workdir)
-  return [SweepReport(writer, evaluate_members, eval_batches, selection=selection,
+  return found + [SweepReport(writer, evaluate_members, eval_batches, selection=selection,
                       every_steps=config.eval_every_steps, metric=config.sweep.metric,
                       mode=config.sweep.mode,
                       summarize=functools.partial(summarize, sweep=sweep, scheduler=scheduler,
