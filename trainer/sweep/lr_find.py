@@ -36,7 +36,6 @@ import numpy as np
 from trainer.loop.actions import Action, Produced, StepView
 from trainer.sweep.members import Sweep
 
-
 #: A member whose final loss is above this many times its first one diverged (a rate too
 #: small to move stays near 1x; Lightning stops its finder at 4x the best loss).
 DIVERGED = 1.2
