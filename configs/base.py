@@ -125,6 +125,14 @@ def get_config() -> ml_collections.ConfigDict:
   # Exponential moving average of the parameters, evaluated beside them as
   # eval/ema_*, checkpointed with the state. 0: off; 0.999 is typical.
   config.ema_decay = 0.0
+  # Loss spikes (trainer/step/spikes.py): skip an update whose loss exceeds `factor` x the
+  # median of the last `window` accepted losses, once `warmup` are recorded. Decided on
+  # the device, per member in an ensemble; counted as train/spike_skips; checkpointed.
+  config.spikes = ml_collections.ConfigDict()
+  config.spikes.skip = False
+  config.spikes.factor = 3.0
+  config.spikes.window = 100
+  config.spikes.warmup = 20
 
   # Stop when the eval metric has not improved by min_delta for `patience`
   # evaluations (needs eval_every_steps > 0). "": off.

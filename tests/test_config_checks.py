@@ -18,6 +18,8 @@ from trainer.config import check_config
     ("mixed_precision.compute_dtype", "fp8", r"config.mixed_precision.compute_dtype='fp8'"),
     ("grad_accum_loop", "map", r"config.grad_accum_loop='map' is not one of"),
     ("ema_decay", 1.5, r"config.ema_decay=1.5 must be in \[0, 1\)"),
+    ("spikes.factor", 0.5, r"config.spikes.factor=0.5 must be a number > 1"),
+    ("spikes.warmup", 500, r"config.spikes.warmup=500 must be an integer in \[1, "),
     ("remat.policy", "everything", r"config.remat.policy='everything' is not one of"),
     ("checkpoint.keep_best", 0, r"config.checkpoint.keep_best=0 must be an integer >= 1"),
     ("early_stopping.mode", "up", r"config.early_stopping.mode='up' must be 'min' or 'max'"),

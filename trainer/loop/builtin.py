@@ -2,7 +2,8 @@
 gives them:
 
 1. `StopOnSignal` turns SIGTERM into a stop request at a step boundary.
-2. `ReportMetrics` writes train scalars every `log_every_steps`.
+2. `ReportMetrics` writes train scalars every `log_every_steps` (and `ReportSpikes`
+   the updates left out as loss spikes, with `config.spikes.skip`).
 3. `Evaluate` evaluates (each `Recipe.eval_variants`: the EMA parameters as `ema_*`);
    a sweep's report (`trainer.sweep.SweepReport`) comes right after it.
 4. `EarlyStopping` reads that evaluation and may request a stop.
@@ -25,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 import ml_collections
+import numpy as np
 
 from strategies import Strategy
 from strategies.tree import split_steps
@@ -236,6 +238,46 @@ class ReportMetrics(Action):
       if peak:
         out["train/mfu"] = achieved / peak
     return out
+
+
+class ReportSpikes(Action):
+  """Writes `train/spike_skips` (over all members) every `every_steps` and at the end, and
+  logs the updates left out as loss spikes since the last write (`trainer.step.spikes`),
+  with the members that skipped them.
+
+  Args:
+    writer: where the scalar goes.
+    to_host: the strategy's `to_canonical` (a count per member for an ensemble).
+  """
+
+  def __init__(self, writer: metric_writers.MetricWriter, *, every_steps: int,
+               to_host: Callable[[Any], Any]):
+    super().__init__(every_steps=every_steps)
+    self.writer, self.to_host = writer, to_host
+    self._seen, self._since = None, 0
+
+  def _skips(self, view: StepView):
+    return np.atleast_1d(np.asarray(self.to_host(view.state.spikes.skips)))
+
+  def begin(self, view: StepView) -> None:
+    self._seen, self._since = self._skips(view), view.step
+
+  def triggers(self, view: StepView) -> bool:
+    return bool(view.crossed(self.every_steps)) or view.is_last
+
+  def next_boundary(self, step: int) -> None:
+    return None  # The count is cumulative: any step after a boundary reports it.
+
+  def run(self, view: StepView) -> None:
+    skips = self._skips(view)
+    grew = np.flatnonzero(skips > self._seen)
+    if grew.size:
+      who = f" (members {grew.tolist()})" if skips.size > 1 else ""
+      logging.warning("Loss spikes: %d update(s) left out between steps %d and %d%s; %d so "
+                      "far", int((skips - self._seen).sum()), self._since, view.step, who,
+                      int(skips.sum()))
+    self._seen, self._since = skips, view.step
+    self.writer.write_scalars(view.step, {"train/spike_skips": int(skips.sum())})
 
 
 class Evaluate(Action):
@@ -498,6 +540,9 @@ def from_config(config: ml_collections.ConfigDict, *, writer: metric_writers.Met
       batch_size=config.batch_size, counts_skipped=recipe.skips_nonfinite,
       peak_tflops=lambda: throughput_lib.peak_tflops(jax.devices()[0],
                                                      config.mixed_precision.compute_dtype)))
+  if recipe.skips_spikes:
+    actions.append(ReportSpikes(writer, every_steps=config.log_every_steps,
+                                to_host=strategy.to_canonical))
   if eval_batches is not None:
     actions.append(Evaluate(writer, evaluate, eval_batches, every_steps=config.eval_every_steps,
                             variants=recipe.eval_variants))
@@ -557,5 +602,5 @@ def __getattr__(name: str):
   raise AttributeError(f"module 'trainer.loop.builtin' has no attribute {name!r}")
 
 
-__all__ = ["Checkpoint", "EarlyStopping", "Evaluate", "Profile", "ReportMetrics",
+__all__ = ["Checkpoint", "EarlyStopping", "Evaluate", "Profile", "ReportMetrics", "ReportSpikes",
            "StopOnSignal", "check_config", "from_config", "with_user_actions"]

@@ -31,42 +31,12 @@ import ml_collections
 import optax
 
 from strategies import Strategy
-from trainer.step import accumulation
+from trainer.step import accumulation, spikes
 from trainer.step.precision import Precision
-from trainer.step.stages import Forward, GradFn, LossFn, StepAux, UpdateFn
+from trainer.step.stages import Forward, GradFn, LossFn, StepAux, StepTransform, UpdateFn
 from trainer.step.train_state import EmaTrainState
 
 PyTree = Any
-
-
-class StepTransform:
-  """One part of the recipe. Override the stages it changes; the others pass through.
-
-  `strategy` gives a transform the step's collectives (`mean_over_data`,
-  `constrain_batch`): the functions it returns run inside the compiled step.
-  """
-
-  def forward(self, forward: Forward) -> Forward:
-    return forward
-
-  def loss(self, loss_fn: LossFn) -> LossFn:
-    return loss_fn
-
-  def gradients(self, grad_fn: GradFn, strategy: Strategy) -> GradFn:
-    del strategy
-    return grad_fn
-
-  def update(self, update_fn: UpdateFn) -> UpdateFn:
-    return update_fn
-
-  def init_state(self, state: Any) -> Any:
-    """The initial train state with whatever this transform keeps in it."""
-    return state
-
-  def eval_variants(self, state: Any) -> dict[str, Any]:
-    """Other versions of the state to evaluate beside it, by metric prefix (`ema_`)."""
-    del state
-    return {}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,6 +80,11 @@ class Recipe:
   def skips_nonfinite(self) -> bool:
     """Whether a non-finite update is left out (and counted) rather than an error."""
     return any(isinstance(t, SkipNonFinite) for t in self.transforms)
+
+  @property
+  def skips_spikes(self) -> bool:
+    """Whether the state keeps a loss history and updates far above it are left out."""
+    return any(isinstance(t, spikes.SkipSpikes) for t in self.transforms)
 
 
 # -- The standard recipe's transforms ---------------------------------------------------------
@@ -250,7 +225,8 @@ NONFINITE_ACTIONS = ("stop", "skip")
 
 def recipe_from_config(config: ml_collections.ConfigDict, *, num_data_replicas: int,
                        strategy_name: str) -> Recipe:
-  """The standard recipe the config asks for: precision, accumulation, EMA, non-finite skip.
+  """The standard recipe the config asks for: precision, accumulation, EMA, the spike guard
+  (`trainer.step.spikes`), non-finite skip.
 
   Raises:
     ValueError: a recipe field out of range (named, with its value and what is accepted).
@@ -269,6 +245,9 @@ def recipe_from_config(config: ml_collections.ConfigDict, *, num_data_replicas: 
                                                       for p in config.sweep.points)
   if ema or swept:  # A sweep of the decay keeps it in the state, per member.
     transforms.append(Ema(float(ema), in_state=swept))
+  guard = spikes.from_config(config)
+  if guard is not None:
+    transforms.append(guard)
   if config.nonfinite == "skip":
     transforms.append(SkipNonFinite())
   if config.sweep.scheduler == "halving":  # A slot with nothing left to try is frozen.
@@ -277,7 +256,7 @@ def recipe_from_config(config: ml_collections.ConfigDict, *, num_data_replicas: 
 
 
 def check_config(config: ml_collections.ConfigDict) -> None:
-  """Raises unless `ema_decay` and `nonfinite` are usable (the other recipe fields are
+  """Raises unless `ema_decay`, `nonfinite` and `spikes` are usable (the other recipe fields are
   checked by their parts: `Precision.from_config`, `accumulation.from_config`).
 
   Raises:
@@ -291,6 +270,7 @@ def check_config(config: ml_collections.ConfigDict) -> None:
     raise ValueError(f"config.nonfinite={config.nonfinite!r} is not one of "
                      f"{NONFINITE_ACTIONS}: 'stop' raises at the first non-finite loss or "
                      f"gradient norm, 'skip' leaves such updates out and counts them.")
+  spikes.check_config(config)
 
 
 __all__ = ["Accumulate", "Ema", "HoldInactive", "MixedPrecision", "Recipe", "SkipNonFinite",

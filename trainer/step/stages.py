@@ -1,11 +1,15 @@
-"""The signatures of the train step's stages, which the recipe's transforms wrap."""
+"""The signatures of the train step's stages, and `StepTransform`, the base of the recipe's
+transforms that wrap them (`trainer.step.recipe`)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
+
+if TYPE_CHECKING:
+  from strategies import Strategy
 
 PyTree = Any
 Batch = Mapping[str, Any]
@@ -28,3 +32,33 @@ LossFn = Callable[[PyTree, PyTree, Batch, jax.Array], tuple[jax.Array, StepAux]]
 GradFn = Callable[[PyTree, PyTree, Batch, jax.Array], tuple[PyTree, StepAux]]
 #: `(state, replica-mean gradients, aux, finite) -> new state`.
 UpdateFn = Callable[[Any, PyTree, StepAux, jax.Array], Any]
+
+
+class StepTransform:
+  """One part of the recipe. Override the stages it changes; the others pass through.
+
+  `strategy` gives a transform the step's collectives (`mean_over_data`,
+  `constrain_batch`): the functions it returns run inside the compiled step.
+  """
+
+  def forward(self, forward: Forward) -> Forward:
+    return forward
+
+  def loss(self, loss_fn: LossFn) -> LossFn:
+    return loss_fn
+
+  def gradients(self, grad_fn: GradFn, strategy: Strategy) -> GradFn:
+    del strategy
+    return grad_fn
+
+  def update(self, update_fn: UpdateFn) -> UpdateFn:
+    return update_fn
+
+  def init_state(self, state: Any) -> Any:
+    """The initial train state with whatever this transform keeps in it."""
+    return state
+
+  def eval_variants(self, state: Any) -> dict[str, Any]:
+    """Other versions of the state to evaluate beside it, by metric prefix (`ema_`)."""
+    del state
+    return {}

@@ -20,6 +20,9 @@ class TrainState(train_state.TrainState):
 
   rng: jax.Array
   model_state: Any = None
+  #: The spike guard's loss history (`trainer.step.spikes.SpikeHistory`); None (no leaf)
+  #: when `config.spikes.skip` is off.
+  spikes: Any = None
 
   @classmethod
   def create(cls, *, apply_fn, params, tx, rng: jax.Array, model_state: Any = None,
