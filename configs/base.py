@@ -67,6 +67,13 @@ def get_config() -> ml_collections.ConfigDict:
   config.checkpoint.best_metric = ""
   config.checkpoint.best_mode = "max"  # "max" (accuracy) or "min" (loss).
   config.checkpoint.keep_best = 1
+  # On resume, an unreadable latest checkpoint (no commit marker, a truncated or lost
+  # array) is renamed <step>.corrupt-<time> and the newest readable one resumed
+  # ("fallback"), or the run stops with the error ("error").
+  config.checkpoint.on_corrupt = "fallback"
+  # A save that fails (disk full, quota, permissions): "stop" ends the run with the error
+  # (the previous checkpoint is untouched); "continue" logs it and saves at the next step.
+  config.checkpoint.on_save_error = "stop"
 
   # -- The optimizer recipe (trainer/optim.py) --
   config.optimizer = "sgd"  # One of trainer.step.optim.OPTIMIZERS: sgd, adam, adamw.

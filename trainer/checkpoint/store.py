@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -68,6 +69,23 @@ class CheckpointError(RuntimeError):
   """A checkpoint cannot be saved, read, or restored into the requested state."""
 
 
+class CorruptCheckpointError(CheckpointError):
+  """A checkpoint step cannot be read: an unreadable or truncated file, a missing item, no
+  commit marker. On resume such a step is set aside (`config.checkpoint.on_corrupt`)."""
+
+
+#: What `config.checkpoint.on_corrupt` may say a resume does with an unreadable latest step:
+#: set it aside and resume from the newest readable one, or raise.
+ON_CORRUPT = ("fallback", "error")
+#: What `config.checkpoint.on_save_error` may say a run does when a save fails: raise
+#: (the run stops), or log it and save again at the next save step.
+ON_SAVE_ERROR = ("stop", "continue")
+#: The file orbax writes into a step directory once the step is finalized (orbax >= 0.12.3).
+COMMIT_MARKER = "commit_success.txt"
+#: The suffix of a step directory set aside as unreadable: `<step>.corrupt-<UTC time>`.
+SET_ASIDE = ".corrupt-"
+
+
 def check_compatible(saved: Mapping, target: Mapping, *, step: int, directory: str) -> None:
   """Raises CheckpointError at the first array whose path or shape differs.
 
@@ -97,7 +115,8 @@ def check_compatible(saved: Mapping, target: Mapping, *, step: int, directory: s
 
 
 def check_settings(*, every_steps: int, max_to_keep: int, best_mode: str,
-                   keep_best: int) -> None:
+                   keep_best: int, on_corrupt: str = "fallback",
+                   on_save_error: str = "stop") -> None:
   """Raises unless the `config.checkpoint` settings are usable (`Checkpointer`'s arguments).
 
   Raises:
@@ -113,13 +132,21 @@ def check_settings(*, every_steps: int, max_to_keep: int, best_mode: str,
     raise ValueError(f"config.checkpoint.best_mode={best_mode!r} must be 'max' or 'min'.")
   if not isinstance(keep_best, int) or keep_best < 1:
     raise ValueError(f"config.checkpoint.keep_best={keep_best!r} must be an integer >= 1.")
+  if on_corrupt not in ON_CORRUPT:
+    raise ValueError(f"config.checkpoint.on_corrupt={on_corrupt!r} is not one of {ON_CORRUPT}: "
+                     f"'fallback' sets an unreadable latest checkpoint aside on resume and "
+                     f"resumes from the newest readable one, 'error' raises.")
+  if on_save_error not in ON_SAVE_ERROR:
+    raise ValueError(f"config.checkpoint.on_save_error={on_save_error!r} is not one of "
+                     f"{ON_SAVE_ERROR}: 'stop' ends the run with the error, 'continue' logs it "
+                     f"and saves again at the next save step.")
 
 
 def check_config(config: ml_collections.ConfigDict) -> None:
   """Raises unless `config.checkpoint` is usable (`check_settings`)."""
   c = config.checkpoint
   check_settings(every_steps=c.every_steps, max_to_keep=c.max_to_keep, best_mode=c.best_mode,
-                 keep_best=c.keep_best)
+                 keep_best=c.keep_best, on_corrupt=c.on_corrupt, on_save_error=c.on_save_error)
 
 
 class Checkpointer:
@@ -132,7 +159,8 @@ class Checkpointer:
 
   def __init__(self, directory: str | os.PathLike, *, every_steps: int = 1000,
                max_to_keep: int = 3, async_save: bool = True, best_metric: str = "",
-               best_mode: str = "max", keep_best: int = 1):
+               best_mode: str = "max", keep_best: int = 1, on_corrupt: str = "fallback",
+               on_save_error: str = "stop"):
     """Checks the settings; reads and deletes nothing, and makes no directory until a save.
 
     Args:
@@ -146,13 +174,21 @@ class Checkpointer:
         preservation policies).
       best_mode: 'max' or 'min': which end of `best_metric` is best.
       keep_best: how many best checkpoints to keep.
+      on_corrupt: what a resume does with an unreadable latest checkpoint
+        (`ON_CORRUPT`): 'fallback' sets it aside (`set_aside`) and resumes from
+        the newest readable one; 'error' raises.
+      on_save_error: what a failed save does (`ON_SAVE_ERROR`): 'stop' raises
+        `CheckpointError`; 'continue' logs it, removes what it left half-written
+        and saves again at the next save (a failed last save still raises at `wait`).
 
     Raises:
       ValueError: `every_steps` is negative, `max_to_keep` or `keep_best` is
-        below 1, or `best_mode` is neither 'max' nor 'min'.
+        below 1, or `best_mode`, `on_corrupt` or `on_save_error` is not one of its values.
     """
     check_settings(every_steps=every_steps, max_to_keep=max_to_keep, best_mode=best_mode,
-                   keep_best=keep_best)
+                   keep_best=keep_best, on_corrupt=on_corrupt, on_save_error=on_save_error)
+    self.on_corrupt, self.on_save_error = on_corrupt, on_save_error
+    self.failed_saves: list[int] = []  # Steps whose save failed under 'continue'.
     self.directory = os.path.abspath(os.fspath(directory))
     self.every_steps = every_steps
     self.best_metric, self.best_mode = best_metric, best_mode
@@ -203,7 +239,9 @@ class Checkpointer:
                async_save=config.checkpoint.async_save,
                best_metric=config.checkpoint.best_metric,
                best_mode=config.checkpoint.best_mode,
-               keep_best=config.checkpoint.keep_best)
+               keep_best=config.checkpoint.keep_best,
+               on_corrupt=config.checkpoint.on_corrupt,
+               on_save_error=config.checkpoint.on_save_error)
 
   # -- Steps -------------------------------------------------------------------
 
@@ -268,7 +306,7 @@ class Checkpointer:
       metrics = {k: float(v) for k, v in metrics.items()}
     else:
       metrics = None
-    self.wait()
+    self._settle()
     layout = {"version": LAYOUT_VERSION, "step": step, **layout,
               "actions": dict(action_states or {}), "data": data_state}
     try:
@@ -277,9 +315,34 @@ class Checkpointer:
           LAYOUT_ITEM: ocp.args.JsonSave(layout),
       }), metrics=metrics, force=True)
     except Exception as e:
-      raise CheckpointError(f"saving checkpoint step {step} to {self.directory} failed: "
-                            f"{type(e).__name__}: {e}") from e
+      error = CheckpointError(f"saving checkpoint step {step} to {self.directory} failed: "
+                              f"{type(e).__name__}: {e}. {self._untouched()}")
+      if self.on_save_error == "stop":
+        raise error from e
+      self._failed(step, error)
+      return
     self._pending_step = step
+
+  def _untouched(self) -> str:
+    """Where the run can resume from after a failed save."""
+    steps = [s for s in self.all_steps() if s != self._pending_step]
+    return (f"The latest complete checkpoint, step {steps[-1]}, is untouched." if steps
+            else "No complete checkpoint was written before it.")
+
+  def _settle(self) -> None:
+    """Waits for the previous save; under `on_save_error='continue'` a failure is logged."""
+    try:
+      self.wait()
+    except CheckpointError as e:
+      if self.on_save_error == "stop":
+        raise
+      self._failed(self.failed_saves.pop(), e)
+
+  def _failed(self, step: int, error: CheckpointError) -> None:
+    self.failed_saves.append(step)
+    self.remove_partial()
+    logging.error("%s The run goes on (config.checkpoint.on_save_error='continue') and "
+                  "saves again at the next save step.", error)
 
   def wait(self) -> None:
     """Blocks until the last save is on disk.
@@ -292,9 +355,12 @@ class Checkpointer:
     try:
       self._manager.wait_until_finished()
     except Exception as e:
-      step, self._pending_step = self._pending_step, None
-      raise CheckpointError(f"writing checkpoint step {step} to {self.directory} failed: "
-                            f"{type(e).__name__}: {e}") from e
+      step = self._pending_step
+      error = CheckpointError(f"writing checkpoint step {step} to {self.directory} failed: "
+                              f"{type(e).__name__}: {e}. {self._untouched()}")
+      self._pending_step = None
+      self.failed_saves.append(step)
+      raise error from e
     self._pending_step = None
 
   def close(self) -> None:
@@ -307,14 +373,41 @@ class Checkpointer:
 
   # -- Reading -----------------------------------------------------------------
 
-  def _read_error(self, step: int, e: Exception) -> CheckpointError:
-    return CheckpointError(
+  def _read_error(self, step: int, e: Exception) -> CorruptCheckpointError:
+    return CorruptCheckpointError(
         f"checkpoint step {step} in {self.step_dir(step)} is unreadable or corrupt "
-        f"({type(e).__name__}: {e}). Nothing was deleted: move the step directory away "
-        f"to resume from an earlier checkpoint.")
+        f"({type(e).__name__}: {e}). Nothing was deleted: on resume, "
+        f"config.checkpoint.on_corrupt='fallback' sets it aside and resumes from the newest "
+        f"readable checkpoint; or move the step directory away yourself.")
+
+  def set_aside(self, step: int, reason: Exception) -> str:
+    """Renames the unreadable step directory `<step>` to `<step>.corrupt-<UTC time>` (never
+    deletes it), so the step before it becomes the latest; returns the new path.
+
+    Every process of a multi-process run calls it; process 0 renames, the others
+    wait for it.
+    """
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    moved = f"{self.step_dir(step)}{SET_ASIDE}{stamp}"
+    if jax.process_index() == 0:
+      os.rename(self.step_dir(step), moved)
+    if jax.process_count() > 1:
+      from jax.experimental import multihost_utils
+      multihost_utils.sync_global_devices(f"set aside checkpoint {step}")
+    self._manager.reload()
+    logging.error("Checkpoint step %d is unreadable (%s); set aside as %s, nothing deleted "
+                  "(config.checkpoint.on_corrupt='fallback').", step, reason, moved)
+    return moved
 
   def layout(self, step: int) -> dict[str, Any]:
-    """The `layout` item of checkpoint `step`: members, strategy, format version."""
+    """The `layout` item of checkpoint `step`: members, strategy, format version.
+
+    Raises:
+      CorruptCheckpointError: the step has no commit marker or no readable layout.
+    """
+    if not os.path.exists(os.path.join(self.step_dir(step), COMMIT_MARKER)):
+      raise self._read_error(step, FileNotFoundError(
+          f"no {COMMIT_MARKER}: orbax did not finalize this step"))
     try:
       restored = self._manager.restore(
           step, args=ocp.args.Composite(**{LAYOUT_ITEM: ocp.args.JsonRestore()}))

@@ -13,10 +13,11 @@ import logging
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
+import jax
 import numpy as np
 
 from strategies import Strategy
-from trainer.checkpoint import Checkpointer
+from trainer.checkpoint import Checkpointer, CheckpointError, CorruptCheckpointError
 from trainer.data.device import DeviceData
 from trainer.data.feed import is_checkpointable
 from trainer.loop.actions import Action
@@ -68,25 +69,67 @@ def start(train_batches: TrainData, *, state: PyTree | None, checkpointer: Check
   Raises:
     ValueError: resuming needs `train_batches` as `start_step -> batches`, or the
       first batch does not fit (`check_batch`).
-    CheckpointError: the checkpoint could not be read or restored.
+    CheckpointError: the checkpoint belongs to another model, or is unreadable and
+      `checkpointer.on_corrupt` is 'error' (under 'fallback' an unreadable latest
+      checkpoint is set aside and the newest readable one resumed).
   """
   resume_step = checkpointer.latest_step() if checkpointer and state is None else None
-  step = resume_step or (step_of(state, strategy) if state is not None else 0)
-  device_data = train_batches if isinstance(train_batches, DeviceData) else None
-  if device_data is not None:
-    batches = None
-    batch = device_data.example_batch(strategy.process_slice(batch_size))
-  else:
-    batches = _train_iterator(train_batches, step, resume_step, checkpointer)
-    batch = next(batches)
-  check_batch(batch, step)
-  if resume_step:
-    state, batch = _resume(states, checkpointer, resume_step, batches, batch, actions)
-  elif state is None:
+  while True:  # Once, or again from an earlier step when the latest one is unreadable.
+    step = resume_step or (step_of(state, strategy) if state is not None else 0)
+    device_data = train_batches if isinstance(train_batches, DeviceData) else None
+    if device_data is not None:
+      batches = None
+      batch = device_data.example_batch(strategy.process_slice(batch_size))
+    else:
+      batches = _train_iterator(train_batches, step, resume_step, checkpointer)
+      batch = next(batches)
+    check_batch(batch, step)
+    if not resume_step:
+      break
+    resumed = _resume_or_set_aside(states, checkpointer, resume_step, batches, batch, actions)
+    if resumed is not None:
+      state, batch = resumed
+      break
+    resume_step = checkpointer.latest_step()
+  if state is None:
     state = states.init(batch)
   return Start(state, step, batch, batches, device_data)
 
 
+def _resume_or_set_aside(states: States, checkpointer: Checkpointer, step: int,
+                         batches: Iterator[Batch] | None, batch: Batch,
+                         actions: Sequence[Action]) -> tuple[PyTree, Batch] | None:
+  """`_resume`, or None where checkpoint `step` is unreadable on any process and
+  `config.checkpoint.on_corrupt='fallback'` set it aside (the caller tries the next)."""
+  error = None
+  try:
+    resumed = _resume(states, checkpointer, step, batches, batch, actions)
+  except CheckpointError as e:
+    error = e
+  error = read_everywhere(error)
+  if error is None:
+    return resumed
+  if not isinstance(error, CorruptCheckpointError) or checkpointer.on_corrupt != "fallback":
+    raise error
+  checkpointer.set_aside(step, error)
+  if checkpointer.latest_step() is None:
+    logging.error("No readable checkpoint is left in %s: starting from step 0.",
+                  checkpointer.directory)
+  return None
+
+
+def read_everywhere(error: CheckpointError | None) -> CheckpointError | None:
+  """This process's read error, or, where another process failed to read the checkpoint
+  (a file only it reads), one saying so: every process then falls back to the same step.
+  One process: `error` itself."""
+  if jax.process_count() == 1:
+    return error
+  from jax.experimental import multihost_utils
+  failed = np.asarray(multihost_utils.process_allgather(np.asarray(error is not None)), bool)
+  if error is None and failed.any():
+    return CorruptCheckpointError(f"processes {np.flatnonzero(failed).tolist()} could not read "
+                                  f"the checkpoint")
+  return error
 def _train_iterator(train_batches: Any, start: int, resume_step: int | None,
                     checkpointer: Checkpointer | None) -> Iterator[Batch]:
   if callable(train_batches):
