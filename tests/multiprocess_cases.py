@@ -13,11 +13,14 @@ import json
 import os
 
 import jax
+import jax.numpy as jnp
 import ml_collections
 import numpy as np
 from small_configs import tiny_lm_config
 
-from configs import mnist_ensemble
+import models
+from configs import mlp_sharded, mnist_ensemble
+from trainer import Trainer
 
 NUM_STEPS = 4
 SAVE_EVERY = 2
@@ -74,7 +77,22 @@ def config_of(case: str) -> ml_collections.ConfigDict:
     config.schedule.warmup_steps = 0
     config.checkpoint.every_steps = SAVE_EVERY
     return config
+  if case == "spiky_mlp":  # Regression, data x tensor parallel, the spike guard on.
+    config = mlp_sharded.get_config()
+    config.model.num_layers, config.model.depth, config.model.embed = 2, 16, 8
+    config.batch_size = config.eval_batch_size = 16
+    config.log_every_steps, config.eval_every_steps = 1, 0
+    config.checkpoint.every_steps = SAVE_EVERY
+    config.spikes.skip, config.spikes.window, config.spikes.warmup = True, 8, 3
+    # A save that fails on one process leaves the others in orbax's barrier: the watchdog
+    # ends the hang (exit 75) and the launcher restarts the job.
+    config.watchdog_seconds, config.watchdog_slow_seconds = 20.0, 40.0
+    return config
   raise ValueError(f"unknown case {case!r}")
+
+
+#: The batch of `spiky_mlp` whose targets are 50x too large: the update of step SPIKE + 1.
+SPIKE = 9
 
 
 CASES = ("resnet_dp", "nnx_ensemble", "device_ensemble", "sweep_ensemble", "halving_ensemble",
@@ -87,6 +105,8 @@ def trainer_of(case: str, strategy=None):
 
   from trainer import LanguageModelTrainer
 
+  if case == "spiky_mlp":
+    return MlpRegression(config_of(case), strategy=strategy)
   cls = {"resnet_dp": user_models.ResNetTrainer, "nnx_ensemble": user_models.NnxBatchNormTrainer,
          "device_ensemble": user_models.NnxBatchNormTrainer,
          "sweep_ensemble": user_models.NnxBatchNormTrainer,
@@ -95,9 +115,24 @@ def trainer_of(case: str, strategy=None):
   return cls(config_of(case), strategy=strategy)
 
 
+class MlpRegression(Trainer):
+  """The logical-axis MLP, mean squared error per example."""
+
+  def build_model(self):
+    return models.MLP(num_layers=self.config.model.num_layers, depth=self.config.model.depth)
+
+  def loss(self, outputs, batch):
+    return jnp.mean((outputs - batch["targets"]) ** 2, axis=-1)
+
+
 def global_batch(case: str, step: int, size: int = 16) -> dict[str, np.ndarray]:
   """Batch `step` of a case's stream, all rows."""
   rng = np.random.default_rng((7, step))
+  if case == "spiky_mlp":
+    batch = {"inputs": rng.normal(size=(size, 8)).astype(np.float32),
+             "targets": rng.normal(size=(size, 8)).astype(np.float32)}
+    batch["targets"] *= 50 if step == SPIKE else 1
+    return batch
   if case == "lm_fsdp":
     from trainer.language_model import synthetic_token_batches
     return next(synthetic_token_batches(7, size, 16, 32, step))

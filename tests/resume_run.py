@@ -96,7 +96,7 @@ def main():
   actions = [PeriodicCallback(hang, every_steps=1)] if args.hang_at >= 0 else []
   try:
     result = trainer.fit(batches, num_steps=args.steps, checkpointer=checkpointer,
-                         actions=actions)
+                         actions=actions, workdir=args.workdir)
   finally:
     checkpointer.close()
   state = result.state

@@ -4,8 +4,14 @@ latest checkpoint (`config.checkpoint.on_corrupt`), a save that fails with ENOSP
 
 import errno
 import glob
+import json
 import os
 import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
 
 import numpy as np
 import pytest
@@ -13,6 +19,7 @@ from conftest import MLPTrainer, leaves, mlp_config, vector_batches
 from etils import epath
 
 from trainer.checkpoint import Checkpointer, CheckpointError, CorruptCheckpointError
+from trainer.run import lock
 
 STEPS = 8
 BATCHES = vector_batches(STEPS, 16, 8)
@@ -152,3 +159,86 @@ def test_a_failed_save_under_continue_is_logged_and_the_next_save_lands(tmp_path
   trainer = MLPTrainer(mlp_config())
   restored = trainer.restore_checkpoint(Checkpointer(directory), BATCHES[0], step=6)
   assert int(restored.step) == 6
+
+
+# -- One run per workdir ------------------------------------------------------------------------
+
+RESUME_RUN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "resume_run.py")
+
+
+def _resume_run(workdir, *args):
+  return [sys.executable, RESUME_RUN, f"--workdir={workdir}", "--strategy=single_device",
+          f"--out={workdir}/final.npz", *args]
+
+
+def _env(**extra):
+  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", lock.LAUNCH_ENV)}
+  env.update(extra)
+  return env
+
+
+def test_a_second_run_in_a_workdir_is_refused_naming_the_first(tmp_path):
+  workdir = tmp_path / "work"
+  first = subprocess.Popen(_resume_run(workdir, "--steps=2000", "--every=1000",
+                                       "--batch_delay=0.05"),
+                           env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                           text=True)
+  try:
+    deadline = time.monotonic() + 120
+    while not (workdir / lock.LOCK_NAME).exists():
+      assert first.poll() is None and time.monotonic() < deadline, first.stdout.read()
+      time.sleep(0.2)
+    second = subprocess.run(_resume_run(workdir, "--steps=4"), env=_env(),
+                            capture_output=True, text=True, timeout=300)
+    assert second.returncode != 0
+    assert f"is in use by another run: pid {first.pid} on host {socket.gethostname()}" in \
+        second.stderr, second.stderr[-3000:]
+    assert "finished at step" not in second.stdout
+    assert first.poll() is None  # The first run goes on.
+    assert json.loads((workdir / lock.LOCK_NAME).read_text())["pid"] == first.pid
+  finally:
+    first.send_signal(signal.SIGTERM)  # Stops at a step with a checkpoint.
+    first.communicate(timeout=120)
+  assert first.returncode == 0
+  assert not (workdir / lock.LOCK_NAME).exists()  # Given back at the end.
+
+
+def _gone_pid() -> int:
+  done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                        capture_output=True, text=True, check=True)
+  return int(done.stdout)
+
+
+@pytest.mark.parametrize("holder", ["killed run", "earlier attempt of this launch"])
+def test_a_stale_lock_is_taken_over_with_a_log_line(tmp_path, holder):
+  workdir = tmp_path / "work"
+  workdir.mkdir()
+  sleeper = subprocess.Popen(["sleep", "60"])
+  try:
+    record = {"host": socket.gethostname(), "launch_id": "launch-1", "started": "earlier",
+              "pid": _gone_pid() if holder == "killed run" else sleeper.pid}
+    (workdir / lock.LOCK_NAME).write_text(json.dumps(record))
+    env = _env(**({lock.LAUNCH_ENV: "launch-1"} if "attempt" in holder else {}))
+    done = subprocess.run(_resume_run(workdir, "--steps=4"), env=env, capture_output=True,
+                          text=True, timeout=300)
+  finally:
+    sleeper.kill()
+  assert done.returncode == 0, done.stderr[-3000:]
+  assert "finished at step 4" in done.stdout
+  why = "is gone" if holder == "killed run" else "belongs to this launch (launch-1)"
+  assert "Took over the stale lock" in done.stderr and why in done.stderr, done.stderr[-3000:]
+
+
+def test_a_live_holder_of_another_launch_is_refused_in_process(tmp_path):
+  sleeper = subprocess.Popen(["sleep", "60"])
+  try:
+    (tmp_path / lock.LOCK_NAME).write_text(json.dumps(
+        {"host": socket.gethostname(), "pid": sleeper.pid, "launch_id": "other",
+         "started": "2026-11-25T00:00:00Z"}))
+    ckpt = Checkpointer(tmp_path / "checkpoints", every_steps=2)
+    with pytest.raises(lock.WorkdirInUseError, match=f"pid {sleeper.pid} on host"):
+      MLPTrainer(mlp_config()).fit(lambda start: BATCHES[start:], num_steps=STEPS,
+                                   checkpointer=ckpt, workdir=str(tmp_path))
+    assert ckpt.all_steps() == []  # Refused before anything ran.
+  finally:
+    sleeper.kill()

@@ -11,6 +11,7 @@ the same runs in this process and restore its checkpoints here, under the
 strategy that wrote them and under another.
 """
 
+import glob
 import json
 import os
 import pathlib
@@ -340,3 +341,39 @@ def test_one_process_strategies_are_refused_on_several_and_errors_name_the_proce
   with pytest.raises(ValueError) as error, devices.naming_the_process():
     raise ValueError("a bad batch")
   assert error.value.__notes__ == ["(raised in process 1 of 2)"]
+
+
+def test_a_fault_schedule_under_restarts_ends_equal_to_the_uninterrupted_run(tmp_path):
+  """The figure for the README: 2 processes under `--max_restarts 3` meet a SIGKILL, a
+  corrupted latest checkpoint, a failed save (ENOSPC) and a loss spike (`tests/fault_run.py`),
+  and the job ends by itself with the uninterrupted one-process run's state."""
+  result = launch("--max_restarts", "3", "tests/fault_run.py", f"--root={tmp_path}",
+                  timeout=480)
+  output = result.stdout + result.stderr
+  assert result.returncode == 0, output[-8000:]
+  workdir = tmp_path / "spiky_mlp"
+  faults = {
+      "SIGKILL": "restart 1 of 3: process 1 failed with status -9",
+      "corrupt checkpoint": "Checkpoint step 4 is unreadable",
+      "failed save": "[Errno 28] No space left on device",
+      "loss spike": "Loss spikes: 1 update(s) left out",
+  }
+  for fault, line in faults.items():
+    assert line in output, (fault, output[-8000:])
+  # The failed save leaves the other process in orbax's barrier: the watchdog ends the
+  # hang (status 75) and the launcher restarts from the last complete checkpoint.
+  assert "Watchdog: nothing finished for 40 s in checkpoint" in output
+  assert "failed with status 75" in output.split("restart 2 of 3")[1].split("\n")[0]
+  assert "restart 3 of 3" not in output
+  assert len(glob.glob(str(workdir / "checkpoints" / "4.corrupt-*"))) == 1  # Kept, renamed.
+  records = [json.loads(line) for line in (workdir / JSONL_NAME).read_text().splitlines()]
+  steps = [r["step"] for r in records if r["split"] == "train" and "loss" in r]
+  assert sorted(set(steps)) == list(range(1, 13))  # No step missing from the record.
+  redone = len(steps) - 12
+  state, meta = saved(tmp_path, "spiky_mlp")
+  assert meta["step"] == 12 and meta["processes"] == 2
+  trainer, reference = cases.run("spiky_mlp", str(tmp_path / "reference"), 12)
+  assert int(np.ravel(trainer.strategy.to_canonical(reference.state.spikes.skips))[0]) == 1
+  assert_same_state(state, cases.flat(trainer.strategy.to_canonical(reference.state)))
+  print(f"faults survived: {len(faults)} ({', '.join(faults)}); steps redone: {redone}; "
+        f"steps lost, data lost: none")

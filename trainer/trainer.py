@@ -345,7 +345,9 @@ class Trainer(abc.ABC):
       writer: where scalars go; console logging if None.
       checkpointer: where checkpoints are saved and resumed from.
       actions: the user's actions (`trainer.Action`).
-      workdir: where a profile trace and a sweep's summary go.
+      workdir: where a profile trace and a sweep's summary go; the run holds its lock
+        (`trainer.run.lock`: a second run there is refused), else the checkpoint
+        directory's.
 
     Returns:
       A `FitResult`: final state, evaluations, why it stopped, the step's FLOPs.
@@ -355,6 +357,7 @@ class Trainer(abc.ABC):
         the step it would break.
       NonFiniteError: a non-finite loss or gradient norm under `nonfinite='stop'`.
       CheckpointError: a checkpoint could not be read, restored or written.
+      WorkdirInUseError: another run holds the lock of `workdir`.
     """
     if type(self).build_schedule is Trainer.build_schedule:  # The config's schedule.
       check_run_length(self.config, self.num_train_steps, num_steps)
@@ -363,7 +366,8 @@ class Trainer(abc.ABC):
     num_steps = sweep_lib.program_steps(self.sweep, self.strategy, num_steps)  # Halving: more.
     return self.runner.fit(train_batches, num_steps=num_steps, state=state,
                            actions=builtin.with_user_actions(defaults, list(actions)),
-                           eval_batches=eval_batches, writer=writer, checkpointer=checkpointer)
+                           eval_batches=eval_batches, writer=writer, checkpointer=checkpointer,
+                           workdir=workdir)
 
   def evaluate(self, state: TrainState, batches: Iterable[Batch]) -> dict[str, float]:
     """Eval metrics over all `batches`, of any size (`trainer.evaluation.Evaluator`)."""

@@ -32,6 +32,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 
 
 def free_port() -> int:
@@ -45,15 +46,23 @@ def free_port() -> int:
 RESTART_ENV = "TRAINER_RESTART"
 
 
+#: The environment variable that names the launch, the same in all its attempts: a restart
+#: takes over the workdir lock its earlier attempt left (`trainer.run.lock`).
+LAUNCH_ENV = "TRAINER_LAUNCH_ID"
+
+
 def process_env(process_id: int, num_processes: int, coordinator: str,
-                restart: int = 0) -> dict[str, str]:
+                restart: int = 0, launch_id: str = "") -> dict[str, str]:
   """The environment of process `process_id`: this one's plus the distributed settings
   that `trainer.distributed.devices.initialize` reads (named there; repeated here so that the
-  launcher itself imports no jax), and the attempt (`TRAINER_RESTART`)."""
+  launcher itself imports no jax), the attempt (`TRAINER_RESTART`) and the launch
+  (`TRAINER_LAUNCH_ID`)."""
   env = dict(os.environ)
   env.pop("TRAINER_DISTRIBUTED", None)
   env.update({"JAX_COORDINATOR_ADDRESS": coordinator, "JAX_NUM_PROCESSES": str(num_processes),
               "JAX_PROCESS_ID": str(process_id), RESTART_ENV: str(restart)})
+  if launch_id:
+    env[LAUNCH_ENV] = launch_id
   return env
 
 
@@ -70,13 +79,13 @@ def _say(message: str) -> None:
 
 
 def _attempt(script_and_args: list[str], num_processes: int, port: int, restart: int,
-             stop: threading.Event) -> tuple[int, int | None]:
+             stop: threading.Event, launch_id: str) -> tuple[int, int | None]:
   """Runs the processes once: `(status, failed process)`; status 0 when all exited 0."""
   coordinator = f"localhost:{port or free_port()}"
   procs, relays = [], []
   for i in range(num_processes):
     p = subprocess.Popen([sys.executable, *script_and_args],
-                         env=process_env(i, num_processes, coordinator, restart),
+                         env=process_env(i, num_processes, coordinator, restart, launch_id),
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                          start_new_session=True)  # Signals reach a process only through us.
     procs.append(p)
@@ -123,8 +132,9 @@ def launch(script_and_args: list[str], num_processes: int, port: int = 0,
   """Runs the processes to the end, starting them all again after a failure up to
   `max_restarts` times; returns 0, or the status of the last failure."""
   stop = threading.Event()
+  launch_id = uuid.uuid4().hex
   for restart in range(max_restarts + 1):
-    status, failed = _attempt(script_and_args, num_processes, port, restart, stop)
+    status, failed = _attempt(script_and_args, num_processes, port, restart, stop, launch_id)
     if not status or stop.is_set():
       break
     if restart == max_restarts:

@@ -39,6 +39,7 @@ from trainer.loop.actions import Action, FitResult
 from trainer.loop.builtin import ReportMetrics
 from trainer.loop.chunks import ChunkPlan
 from trainer.loop.timing import LoopClock, Watchdog
+from trainer.run import lock
 from trainer.run.calls import compiles_at, device_data_calls, host_batch_calls
 from trainer.run.options import RunOptions
 from trainer.run.start import Start, TrainData, start
@@ -80,10 +81,20 @@ class Runner:
           state: PyTree | None = None,
           eval_batches: Callable[[], Iterable[Batch]] | None = None,
           writer: metric_writers.MetricWriter | None = None,
-          checkpointer: Checkpointer | None = None) -> FitResult:
+          checkpointer: Checkpointer | None = None, workdir: str | None = None) -> FitResult:
     """Trains until `state.step == num_steps` (or an action stops it), running `actions`
     (every action of the run, in order) after each call. The other arguments are
-    `Trainer.fit`'s, which says what each may be and what is raised."""
+    `Trainer.fit`'s, which says what each may be and what is raised. The run holds the
+    lock of `workdir` (else of the checkpoint directory) throughout (`trainer.run.lock`)."""
+    lock_dir = workdir or (checkpointer.directory if checkpointer else None)
+    with lock.held(lock_dir):
+      return self._fit(train_batches, num_steps=num_steps, actions=actions, state=state,
+                       eval_batches=eval_batches, writer=writer, checkpointer=checkpointer)
+
+  def _fit(self, train_batches: TrainData, *, num_steps: int, actions: Sequence[Action],
+           state: PyTree | None, eval_batches: Callable[[], Iterable[Batch]] | None,
+           writer: metric_writers.MetricWriter | None,
+           checkpointer: Checkpointer | None) -> FitResult:
     begin = start(train_batches, state=state, checkpointer=checkpointer, actions=actions,
                   states=self.states, strategy=self.strategy, batch_size=self.batch_size,
                   check_batch=self.check_batch)
