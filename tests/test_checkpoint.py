@@ -280,6 +280,7 @@ def test_corrupt_checkpoint_names_its_step_and_directory_and_deletes_nothing(tmp
   before = _snapshot(tmp_path / "ckpt")
   trainer = _trainer("single_device")
   step_dir = str(tmp_path / "ckpt" / "4")
+  ckpt = Checkpointer(tmp_path / "ckpt", on_corrupt="error")  # "fallback": tests/test_faults.py
   with pytest.raises(CheckpointError, match=f"step 4 in {step_dir} is unreadable or corrupt"):
     trainer.fit(lambda start: batches[start:] + batches, num_steps=8, checkpointer=ckpt)
   assert _snapshot(tmp_path / "ckpt") == before

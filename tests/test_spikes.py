@@ -7,9 +7,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from clu import metric_writers
 from conftest import ALL_STRATEGIES, MLPTrainer, leaves, mlp_config, vector_batches
 from flax import struct
+from test_recipe import Recorder
 
 from strategies import member_rng
 from trainer.checkpoint import Checkpointer
@@ -24,15 +24,6 @@ def _batches():
   batches = vector_batches(STEPS, 16, 8)
   batches[SPIKE] = dict(batches[SPIKE], targets=batches[SPIKE]["targets"] * 50)
   return batches
-
-
-class Recorder(metric_writers.LoggingWriter):
-  def __init__(self):
-    super().__init__()
-    self.rows: dict[int, dict[str, float]] = {}
-
-  def write_scalars(self, step, scalars):
-    self.rows.setdefault(step, {}).update({k: float(v) for k, v in scalars.items()})
 
 
 def _fit(overrides, num_steps=STEPS, state=None, **kwargs):

@@ -131,8 +131,13 @@ def held(directory: str | None):
   if directory is None or jax.process_index() != 0:
     yield
     return
-  path = acquire(os.path.abspath(directory))
+  directory = os.path.abspath(directory)
+  made = not os.path.exists(directory)
+  path = acquire(directory)
   try:
     yield
   finally:
     release(path)
+    if made:  # A run refused before it wrote anything leaves no directory behind.
+      with contextlib.suppress(OSError):
+        os.rmdir(directory)
