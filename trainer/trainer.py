@@ -345,9 +345,8 @@ class Trainer(abc.ABC):
       writer: where scalars go; console logging if None.
       checkpointer: where checkpoints are saved and resumed from.
       actions: the user's actions (`trainer.Action`).
-      workdir: where a profile trace and a sweep's summary go; the run holds its lock
-        (`trainer.run.lock`: a second run there is refused), else the checkpoint
-        directory's.
+      workdir: where a profile trace and a sweep's summary go; the run locks it (else
+        the checkpoint directory) against a second run (`trainer.run.lock`).
 
     Returns:
       A `FitResult`: final state, evaluations, why it stopped, the step's FLOPs.

@@ -331,12 +331,13 @@ class Checkpointer:
 
   def _settle(self) -> None:
     """Waits for the previous save; under `on_save_error='continue'` a failure is logged."""
+    step = self._pending_step
     try:
       self.wait()
     except CheckpointError as e:
       if self.on_save_error == "stop":
         raise
-      self._failed(self.failed_saves.pop(), e)
+      self._failed(step, e)
 
   def _failed(self, step: int, error: CheckpointError) -> None:
     self.failed_saves.append(step)
@@ -359,7 +360,6 @@ class Checkpointer:
       error = CheckpointError(f"writing checkpoint step {step} to {self.directory} failed: "
                               f"{type(e).__name__}: {e}. {self._untouched()}")
       self._pending_step = None
-      self.failed_saves.append(step)
       raise error from e
     self._pending_step = None
 

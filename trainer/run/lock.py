@@ -25,10 +25,10 @@ import uuid
 
 import jax
 
+from trainer.distributed.launch import LAUNCH_ENV  # One value for all its attempts.
+
 #: The lock's file name in the run's directory.
 LOCK_NAME = "run.lock"
-#: Set by `trainer.distributed.launch` to one value for all its attempts.
-LAUNCH_ENV = "TRAINER_LAUNCH_ID"
 _OWN_LAUNCH = uuid.uuid4().hex  # A process started by hand is a launch of its own.
 
 

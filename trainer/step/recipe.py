@@ -33,7 +33,15 @@ import optax
 from strategies import Strategy
 from trainer.step import accumulation, spikes
 from trainer.step.precision import Precision
-from trainer.step.stages import Forward, GradFn, LossFn, StepAux, StepTransform, UpdateFn
+from trainer.step.stages import (
+  Forward,
+  GradFn,
+  LossFn,
+  StepAux,
+  StepTransform,
+  UpdateFn,
+  keep_unless,
+)
 from trainer.step.train_state import EmaTrainState
 
 PyTree = Any
@@ -197,8 +205,7 @@ class SkipNonFinite(StepTransform):
   def update(self, update_fn: UpdateFn) -> UpdateFn:
     def guarded(state, grads, aux, finite):
       new = update_fn(state, grads, aux, finite)
-      kept = state.replace(step=new.step)
-      return jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, kept)
+      return keep_unless(finite, new, state)
 
     return guarded
 
@@ -213,8 +220,7 @@ class HoldInactive(StepTransform):
     def held(state, grads, aux, finite):
       new = update_fn(state, grads, aux, finite)
       active = state.opt_state.hyperparams["active"] > 0
-      kept = state.replace(step=new.step)
-      return jax.tree.map(lambda n, o: jnp.where(active, n, o), new, kept)
+      return keep_unless(active, new, state)
 
     return held
 

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import ml_collections
 
 from strategies import Strategy
-from trainer.step.stages import GradFn, StepTransform, UpdateFn
+from trainer.step.stages import GradFn, StepTransform, UpdateFn, keep_unless
 
 
 @flax.struct.dataclass
@@ -80,8 +80,7 @@ class SkipSpikes(StepTransform):
       loss = jnp.asarray(aux.loss, jnp.float32)
       median = jnp.nanmedian(history.losses)
       spike = (history.count >= self.warmup) & jnp.isfinite(loss) & (loss > self.factor * median)
-      kept = state.replace(step=new.step)
-      out = jax.tree.map(lambda n, o: jnp.where(spike, o, n), new, kept)
+      out = keep_unless(~spike, new, state)
       record = jnp.isfinite(loss) & ~spike
       slot = history.count % self.window
       losses = jnp.where(record, history.losses.at[slot].set(loss), history.losses)
@@ -114,7 +113,7 @@ def check_config(config: ml_collections.ConfigDict) -> None:
 
 
 def from_config(config: ml_collections.ConfigDict) -> SkipSpikes | None:
-  """The guard `config.spikes` asks for, or None when it is off."""
-  check_config(config)
+  """The guard `config.spikes` asks for, or None when it is off (checked by `check_config`,
+  which `trainer.config.check_config` and `recipe_from_config` call first)."""
   s = config.spikes
   return SkipSpikes(float(s.factor), s.window, s.warmup) if s.skip else None

@@ -7,6 +7,7 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 
 if TYPE_CHECKING:
   from strategies import Strategy
@@ -32,6 +33,13 @@ LossFn = Callable[[PyTree, PyTree, Batch, jax.Array], tuple[jax.Array, StepAux]]
 GradFn = Callable[[PyTree, PyTree, Batch, jax.Array], tuple[PyTree, StepAux]]
 #: `(state, replica-mean gradients, aux, finite) -> new state`.
 UpdateFn = Callable[[Any, PyTree, StepAux, jax.Array], Any]
+
+
+def keep_unless(take: jax.Array, new: Any, state: Any) -> Any:
+  """`new` where `take`, else `state` with `new`'s step: an update left out still advances
+  the step counter, so the data stays aligned (`SkipNonFinite`, `HoldInactive`, `SkipSpikes`)."""
+  kept = state.replace(step=new.step)
+  return jax.tree.map(lambda n, o: jnp.where(take, n, o), new, kept)
 
 
 class StepTransform:
