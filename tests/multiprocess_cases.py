@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -20,7 +21,7 @@ from small_configs import tiny_lm_config
 
 import models
 from configs import mlp_sharded, mnist_ensemble
-from trainer import Trainer
+from trainer import ClassificationTrainer, Trainer
 
 NUM_STEPS = 4
 SAVE_EVERY = 2
@@ -88,7 +89,25 @@ def config_of(case: str) -> ml_collections.ConfigDict:
     # ends the hang (exit 75) and the launcher restarts the job.
     config.watchdog_seconds, config.watchdog_slow_seconds = 20.0, 40.0
     return config
+  if case == "grain_dp":  # Data parallel over all 8 devices: each process reads its block.
+    return _image_config(**{"strategy.name": "sharded_data_parallel",
+                            "strategy.mesh_shape": (8,), "strategy.mesh_axes": ("data",),
+                            "strategy.logical_axis_rules": (("batch", "data"),)})
+  if case == "grain_ensemble":  # 4 members x 2 devices: every process reads the whole batch.
+    config = _image_config(**{"strategy.name": "sharded_ensemble"})
+    config.ensemble_size = 4
+    config.strategy.ensemble_mesh_shape = (4, 2)
+    return config
   raise ValueError(f"unknown case {case!r}")
+
+
+def elastic_strategy(case: str, num_devices: int):
+  """The strategy of an elastic case on the first `num_devices` of this process's devices."""
+  from strategies import ShardedDataParallel, ShardedEnsemble
+  devices = jax.devices()[:num_devices]
+  if case == "grain_dp":
+    return ShardedDataParallel((num_devices,), ("data",), (("batch", "data"),), devices=devices)
+  return ShardedEnsemble(4, (4, num_devices // 4), devices=devices)
 
 
 #: The batch of `spiky_mlp` whose targets are 50x too large: the update of step SPIKE + 1.
@@ -97,6 +116,14 @@ SPIKE = 9
 
 CASES = ("resnet_dp", "nnx_ensemble", "device_ensemble", "sweep_ensemble", "halving_ensemble",
          "lm_fsdp")
+
+#: Cases fed by the Grain pipeline, saved on 2 processes at NUM_STEPS and resumed on one
+#: process of 8 and of 4 devices to ELASTIC_STEPS (`test_multiprocess.py`).
+ELASTIC_CASES = ("grain_dp", "grain_ensemble")
+ELASTIC_STEPS = 8
+#: Examples in the elastic cases' train split: 5 global batches of 16 an epoch, so
+#: steps 6-8 read the second epoch.
+NUM_EXAMPLES = 80
 
 
 def trainer_of(case: str, strategy=None):
@@ -107,6 +134,8 @@ def trainer_of(case: str, strategy=None):
 
   if case == "spiky_mlp":
     return MlpRegression(config_of(case), strategy=strategy)
+  if case in ELASTIC_CASES:
+    return ExampleLogTrainer(config_of(case), strategy=strategy)
   cls = {"resnet_dp": user_models.ResNetTrainer, "nnx_ensemble": user_models.NnxBatchNormTrainer,
          "device_ensemble": user_models.NnxBatchNormTrainer,
          "sweep_ensemble": user_models.NnxBatchNormTrainer,
@@ -125,6 +154,64 @@ class MlpRegression(Trainer):
     return jnp.mean((outputs - batch["targets"]) ** 2, axis=-1)
 
 
+class ExampleLog(nn.Module):
+  """A linear classifier that records, in its `examples` collection, the training examples
+  it saw: per example id how often (`count`) and at which training steps, first and last
+  (`first`, `last`; 0: never). The record is model state: checkpointed, resumed. Where a
+  step sees its data replica's rows, the counts are summed over `axis_name`, as
+  `BatchNorm(axis_name=...)` syncs its statistics."""
+
+  num_examples: int = NUM_EXAMPLES
+  axis_name: str = "batch"
+
+  @nn.compact
+  def __call__(self, image, ids, train: bool = True):
+    zeros = lambda: jnp.zeros((self.num_examples,), jnp.int32)  # noqa: E731
+    t = self.variable("examples", "t", lambda: jnp.zeros((), jnp.int32))
+    count = self.variable("examples", "count", zeros)
+    first = self.variable("examples", "first", zeros)
+    last = self.variable("examples", "last", zeros)
+    if train and not self.is_initializing():
+      t.value += 1
+      seen = jnp.zeros((self.num_examples,), jnp.int32).at[ids].add(1)
+      seen = jax.lax.psum(seen, self.axis_name)
+      count.value += seen
+      first.value = jnp.where((seen > 0) & (first.value == 0), t.value, first.value)
+      last.value = jnp.where(seen > 0, t.value, last.value)
+    return nn.Dense(10)(image.reshape((image.shape[0], -1)))
+
+
+class ExampleLogTrainer(ClassificationTrainer):
+  def build_model(self):
+    return ExampleLog()
+
+  def model_inputs(self, batch, *, train, rngs):
+    return (batch["image"], batch["id"]), {}
+
+
+def example_source() -> list[dict[str, np.ndarray]]:
+  """The elastic cases' train split: NUM_EXAMPLES records with their ids (a random-access
+  source, as `tfds.data_source` is)."""
+  rng = np.random.default_rng(7)
+  return [{"image": rng.integers(0, 256, (8, 8, 1), dtype=np.uint8),
+           "label": np.int64(rng.integers(0, 10)), "id": np.int64(i)}
+          for i in range(NUM_EXAMPLES)]
+
+
+def example_batch(records: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+  return {"image": np.asarray(records["image"], np.float32) / 255.0,
+          "label": np.asarray(records["label"], np.int32),
+          "id": np.asarray(records["id"], np.int32)}
+
+
+def grain_batches(shard_rows: tuple[int, int]):
+  """The Grain pipeline of the elastic cases, reading block `shard_rows` of each batch."""
+  from trainer.data import pipeline
+  return pipeline.GrainBatches(example_source(), batch_size=16, seed=7,
+                               shard=pipeline.shard_options(shard_rows),
+                               transform=example_batch, read_threads=2)
+
+
 def global_batch(case: str, step: int, size: int = 16) -> dict[str, np.ndarray]:
   """Batch `step` of a case's stream, all rows."""
   rng = np.random.default_rng((7, step))
@@ -136,6 +223,9 @@ def global_batch(case: str, step: int, size: int = 16) -> dict[str, np.ndarray]:
   if case == "lm_fsdp":
     from trainer.language_model import synthetic_token_batches
     return next(synthetic_token_batches(7, size, 16, 32, step))
+  if case in ELASTIC_CASES:  # Only for shapes (restores, eval): the first records.
+    return example_batch({k: np.stack([r[k] for r in example_source()[:size]])
+                          for k in ("image", "label", "id")})
   if case == "device_ensemble" and size == 16:  # The first batch: shapes for restores.
     return device_split().device_data(16, seed=7).example_batch()
   images = rng.random((size, 28, 28, 1), dtype=np.float32)
@@ -176,9 +266,13 @@ def run(case: str, workdir: str, num_steps: int = NUM_STEPS, strategy=None, acti
   trainer = trainer_of(case, strategy)
   checkpointer = Checkpointer.from_config(trainer.config, workdir)
   writer = writers.create_writer(workdir)
+  if case in ELASTIC_CASES:
+    batches = grain_batches(trainer.strategy.process_rows())
+  else:
+    batches = train_batches(case, trainer.strategy.process_slice(trainer.config.batch_size))
   try:
     result = trainer.fit(
-        train_batches(case, trainer.strategy.process_slice(trainer.config.batch_size)),
+        batches,
         num_steps=num_steps, checkpointer=checkpointer, writer=writer, workdir=workdir,
         eval_batches=lambda: eval_batches(case), actions=actions)
   finally:

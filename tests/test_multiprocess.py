@@ -45,7 +45,7 @@ def two_processes(tmp_path_factory):
   cases.run("resnet_dp", str(root / "resume"), num_steps=cases.SAVE_EVERY,
             strategy=SingleDevice())
   result = launch("tests/multiprocess_run.py", f"--root={root}",
-                  "--cases=" + ",".join(cases.CASES) + ",resnet_dp@resume")
+                  "--cases=" + ",".join(cases.CASES + cases.ELASTIC_CASES) + ",resnet_dp@resume")
   assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
   return root
 
@@ -143,6 +143,64 @@ def test_one_process_checkpoint_resumes_on_two_processes(two_processes, one_proc
   assert_same_state(state, cases.flat(trainer.strategy.to_canonical(result.state)))
   steps = [s for s, _ in train_losses(two_processes / "resume")]
   assert steps == list(range(1, cases.NUM_STEPS + 1))  # 1-2 from one process, 3-4 from two.
+
+
+# -- Elastic resume: saved on 2 processes x 4 devices, resumed on 1 x 8 and 1 x 4 ---------------
+
+
+def trained_ids(examples: dict[str, np.ndarray], num_steps: int) -> list[list[int]]:
+  """The example ids each training step saw, from an `ExampleLog`'s record (one member's)."""
+  count, first, last = (np.asarray(examples[k]) for k in ("count", "first", "last"))
+  steps = [sorted(np.flatnonzero(first == s).tolist()) for s in range(1, num_steps + 1)]
+  for s in range(1, num_steps + 1):  # Second sightings (a second epoch) at their last step.
+    steps[s - 1] += np.flatnonzero((count == 2) & (last == s)).tolist()
+  assert count.max() <= 2
+  return [sorted(ids) for ids in steps]
+
+
+def members_examples(trainer, result) -> list[dict[str, np.ndarray]]:
+  examples = jax.device_get(trainer.strategy.to_canonical(result.state.model_state)["examples"])
+  if not trainer.strategy.checkpoint_layout()["num_members"]:
+    return [examples]
+  return [jax.tree.map(lambda x, i=i: x[i], examples) for i in range(4)]
+
+
+@pytest.mark.parametrize("case", cases.ELASTIC_CASES)
+def test_a_grain_run_saved_on_two_processes_resumes_on_one_process_of_8_and_of_4_devices(
+    case, two_processes, tmp_path, caplog):
+  import shutil
+
+  saved_at = cases.NUM_STEPS
+  _, meta = saved(two_processes, case)
+  assert (meta["processes"], meta["step"]) == (2, saved_at)
+  checkpointer = Checkpointer(two_processes / case / "checkpoints")
+  layout = checkpointer.layout(saved_at)
+  checkpointer.close()
+  assert layout["data"] == {"global_batch": saved_at}
+  assert layout["shape"] == {"processes": 2, "devices": 8,
+                             "data_shards": 2 if case == "grain_dp" else 1}
+  # The global order, as one process reads it: the ids of each step's batch.
+  stream = cases.grain_batches((0, 1))()
+  order = [sorted(next(stream)["id"].tolist()) for _ in range(cases.ELASTIC_STEPS)]
+  for devices in (8, 4):
+    strategy = cases.elastic_strategy(case, devices)
+    workdir = tmp_path / f"resumed_on_{devices}"
+    shutil.copytree(two_processes / case / "checkpoints", workdir / "checkpoints")
+    with caplog.at_level("INFO"):
+      trainer, resumed = cases.run(case, str(workdir), cases.ELASTIC_STEPS, strategy=strategy)
+    assert f"Resuming at step {saved_at}" in caplog.text
+    assert "saved by 2 process(es), 8 devices" in caplog.text
+    _, whole = cases.run(case, str(tmp_path / f"whole_on_{devices}"), cases.ELASTIC_STEPS,
+                         strategy=strategy)
+    # Steps 1-4 on two processes, 5-8 here: each saw its global batch; the first epoch
+    # (steps 1-5) saw every example once, steps 6-8 the start of the second epoch.
+    for examples in members_examples(trainer, resumed):
+      ids = trained_ids(examples, cases.ELASTIC_STEPS)
+      assert ids == order
+      assert sorted(sum(ids[:5], [])) == list(range(cases.NUM_EXAMPLES))
+      assert int(examples["t"]) == cases.ELASTIC_STEPS
+    assert_same_state(cases.flat(trainer.strategy.to_canonical(resumed.state)),
+                      cases.flat(trainer.strategy.to_canonical(whole.state)))
 
 
 # -- Preemption and failures -------------------------------------------------------------------

@@ -9,7 +9,7 @@ from user_models import NnxBatchNormTrainer
 
 from trainer.checkpoint import Checkpointer
 from trainer.data import pipeline
-from trainer.data.feed import DeviceFeed
+from trainer.data.feed import DeviceFeed, check_resumable
 
 
 def records(n: int, seed: int = 0) -> list[dict]:
@@ -58,6 +58,79 @@ def test_the_saved_state_and_the_start_step_continue_the_stream():
       np.testing.assert_array_equal(b[key], want[key])
 
 
+def test_the_position_is_global_and_moves_to_another_number_of_processes():
+  source = records(40)
+  two = pipeline.GrainBatches(source, batch_size=8, seed=2, shard=shard(1, 2))()
+  take(two, 7)  # Into the second epoch.
+  state = two.get_state()
+  assert state == {"global_batch": 7}
+  one = pipeline.GrainBatches(source, batch_size=8, seed=2, shard=shard(0, 1))
+  resumed = one()
+  resumed.set_state(state)
+  want = take(one(), 10)[7:]
+  for got, expected in zip(take(resumed, 3), want, strict=True):
+    np.testing.assert_array_equal(got["image"], expected["image"])
+  # A checkpoint of an earlier release holds Grain's own state; it meant the same.
+  earlier = one()
+  earlier.set_state({"next_index": 7})
+  np.testing.assert_array_equal(next(earlier)["image"], want[0]["image"])
+  with pytest.raises(ValueError, match=r"state \{'position': 3\} is not a Grain pipeline"):
+    one().set_state({"position": 3})
+
+
+def test_a_per_process_data_state_is_refused_on_another_process_layout():
+  saved = {"processes": 2, "devices": 8, "data_shards": 2}
+  now = {"processes": 1, "devices": 4, "data_shards": 1}
+  with pytest.raises(ValueError, match=r"checkpoint /ckpt/4 was saved by 2 process\(es\), 8 "
+                     r"devices, 2 data shard\(s\) with the train data iterator's state "
+                     r"\{'next_index': 12\}; this run has 1 process\(es\), 4 devices, 1 data "
+                     r"shard\(s\).*GrainBatches, grain.experimental.ElasticIterator"):
+    check_resumable({"next_index": 12}, saved, now, "/ckpt/4")
+  for elastic in ({"global_batch": 4}, {"global_next_index": 64}):
+    check_resumable(elastic, saved, now, "/ckpt/4")
+  check_resumable({"next_index": 12}, saved, {**now, "data_shards": 2}, "/ckpt/4")
+  check_resumable({"next_index": 12}, {}, now, "/ckpt/4")  # Saved by an earlier release.
+
+
+class PerProcessIterator:
+  """A checkpointable iterator whose state is a position in one process's data."""
+
+  def __init__(self, source):
+    self.source, self.index = source, 0
+
+  def __iter__(self):
+    return self
+
+  def __next__(self):
+    batch = pipeline.image_batch({k: np.stack([r[k] for r in self.source[self.index:][:16]])
+                                  for k in ("image", "label")})
+    self.index += 16
+    return batch
+
+  def get_state(self):
+    return {"index": self.index}
+
+  def set_state(self, state):
+    self.index = state["index"]
+
+
+def test_fit_refuses_a_per_process_position_saved_by_another_process_layout(tmp_path):
+  import json
+  source = records(96)
+  _fit(tmp_path, 3, lambda start: PerProcessIterator(source), prefetch=0)
+  # As if 2 processes had saved it, each reading its half of every batch.
+  metadata = tmp_path / "3" / "layout" / "metadata"
+  layout = json.loads(metadata.read_text())
+  assert layout["shape"] == {"processes": 1, "devices": 1, "data_shards": 1}
+  layout["shape"] = {"processes": 2, "devices": 8, "data_shards": 2}
+  metadata.write_text(json.dumps(layout))
+  with pytest.raises(ValueError, match=r"saved by 2 process\(es\).*state \{'index': 48\}"):
+    _fit(tmp_path, 6, lambda start: PerProcessIterator(source), prefetch=0)
+  checkpointer = Checkpointer(tmp_path)
+  assert checkpointer.all_steps() == [3]  # Nothing trained or saved.
+  checkpointer.close()
+
+
 def test_bad_pipeline_settings_name_the_field():
   with pytest.raises(ValueError, match=r"config.data.read_threads=-1"):
     pipeline.GrainBatches(records(16), batch_size=8, seed=0, shard=shard(0, 1), read_threads=-1)
@@ -87,7 +160,7 @@ def test_fit_saves_the_grain_position_and_a_resumed_run_reads_on_exactly(tmp_pat
   from_zero = lambda start: batches(0)  # noqa: E731
   _fit(tmp_path / "resumed", 3, from_zero, prefetch)
   checkpointer = Checkpointer(tmp_path / "resumed", every_steps=3)
-  assert checkpointer.data_state(3) == {"next_index": 3}
+  assert checkpointer.data_state(3) == {"global_batch": 3}
   checkpointer.close()
   got = _fit(tmp_path / "resumed", 7, from_zero, prefetch)
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):

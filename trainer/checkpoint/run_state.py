@@ -13,6 +13,8 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+import jax
+
 from strategies import Strategy
 from strategies.capabilities import restore_member
 from trainer.checkpoint.store import Checkpointer, CheckpointError
@@ -29,6 +31,8 @@ class RunState:
     step: the number of updates done.
     data: the train data iterator's position after the batch of step
       `step - 1` (a checkpointable iterator's `get_state()`), or None.
+    shape: the machine shape that saved it (`run_shape`); empty for checkpoints of
+      earlier releases.
     actions: the loop actions' JSON state, by action name.
     metrics: the eval results at `step`, if an evaluation ran there.
   """
@@ -38,6 +42,15 @@ class RunState:
   data: Any = None
   actions: Mapping[str, Any] = dataclasses.field(default_factory=dict)
   metrics: Mapping[str, float] | None = None
+  shape: Mapping[str, int] = dataclasses.field(default_factory=dict)
+
+
+def run_shape(strategy: Strategy) -> dict[str, int]:
+  """What a checkpoint records of the machine that saved it: processes, the strategy's
+  devices and `data_shards`, the number of blocks the processes read of each batch
+  (`Strategy.process_rows`), which a per-process data position depends on."""
+  return {"processes": jax.process_count(), "devices": strategy.num_devices,
+          "data_shards": strategy.process_rows()[1]}
 
 
 def _models(num_members: int) -> str:
@@ -47,7 +60,8 @@ def _models(num_members: int) -> str:
 def save_run(checkpointer: Checkpointer, strategy: Strategy, run: RunState) -> None:
   """Starts an asynchronous save of `run` as checkpoint `run.step`."""
   checkpointer.save(run.step, strategy.checkpoint_state(run.state),
-                    strategy.checkpoint_layout(), metrics=run.metrics,
+                    {**strategy.checkpoint_layout(), "shape": run_shape(strategy)},
+                    metrics=run.metrics,
                     action_states=run.actions, data_state=run.data)
 
 
@@ -89,4 +103,4 @@ def restore_run(checkpointer: Checkpointer, strategy: Strategy, abstract_state: 
     restored = checkpointer.restore(step, target)
   # `restored` is a train state whose static fields (apply_fn, tx) are this trainer's.
   return RunState(strategy.from_checkpoint(restored), step, data=layout.get("data"),
-                  actions=dict(layout.get("actions") or {}))
+                  actions=dict(layout.get("actions") or {}), shape=dict(layout.get("shape") or {}))

@@ -16,7 +16,7 @@ position after the batch of step `s - 1`, however far the feed has read ahead.
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import jax
@@ -51,6 +51,43 @@ def check_train_batch(batch: PyTree, step: int, *, batch_size: int, rows: slice)
         f"{np.shape(x)}) but config.batch_size={want}; every train batch must hold "
         f"exactly batch_size examples (the step is compiled for that shape). Drop the "
         f"short last batch of an epoch (tf.data: drop_remainder=True) or pad it.")
+
+
+def describe_shape(shape: Mapping[str, int]) -> str:
+  """'2 processes x 8 devices, 2 data shards' for a checkpoint's `shape` record."""
+  return (f"{shape.get('processes')} process(es), {shape.get('devices')} devices, "
+          f"{shape.get('data_shards')} data shard(s)")
+
+
+def check_resumable(data_state: Any, saved: Mapping[str, int], now: Mapping[str, int],
+                    where: str) -> None:
+  """Raises where a checkpoint's train data position cannot carry over to this run.
+
+  A position in the global stream (`pipeline.ELASTIC_STATE_KEYS`: the Grain pipeline's,
+  Grain's `ElasticIterator`'s) resumes on any number of processes; any other iterator
+  state is taken to be a position in one process's shard of the data, which means
+  nothing to a run whose processes read another number of shards.
+
+  Args:
+    saved, now: the machine shapes (`trainer.checkpoint.run_state.run_shape`) of the
+      run that saved the checkpoint (empty for earlier releases) and of this one.
+
+  Raises:
+    ValueError: naming the checkpoint, both shapes, the state and what resumes.
+  """
+  from trainer.data.pipeline import ELASTIC_STATE_KEYS
+  if data_state is None or not saved or saved.get("data_shards") == now.get("data_shards"):
+    return
+  if isinstance(data_state, Mapping) and any(k in data_state for k in ELASTIC_STATE_KEYS):
+    return
+  raise ValueError(
+      f"checkpoint {where} was saved by {describe_shape(saved)} with the train data "
+      f"iterator's state {data_state!r}; this run has {describe_shape(now)}. That state is "
+      f"a position in one process's shard of the data and cannot be moved to another "
+      f"number of shards. Resume on the saved process layout, or feed the data from a "
+      f"source whose position is global: trainer.data.pipeline.GrainBatches, "
+      f"grain.experimental.ElasticIterator, or train_batches as a function "
+      f"start_step -> batches.")
 
 
 def is_checkpointable(iterator: Any) -> bool:

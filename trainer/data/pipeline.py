@@ -17,7 +17,11 @@ TensorFlow in the loop; Grain turns that into batches:
   the devices ahead of their step (`config.prefetch_to_device`);
 - the iterator's position (`get_state()`) is saved with every checkpoint and
   restored on resume, so a resumed run reads exactly the batches an
-  uninterrupted one would.
+  uninterrupted one would. The position is the global batch index
+  (`{"global_batch": s}`), the same on every process and for any number of
+  processes, because global batch s is the same rows in any layout: a run saved
+  by 2 processes resumes on 1, or on 4, where it stopped (a position-as-step
+  source; see `ELASTIC_STATE_KEYS`).
 """
 
 from __future__ import annotations
@@ -29,6 +33,13 @@ import jax
 import numpy as np
 
 Batch = dict[str, np.ndarray]
+
+#: Keys of an iterator state that is a position in the global stream, valid for any
+#: number of processes: this module's (`"global_batch"`) and Grain's
+#: `grain.experimental.ElasticIterator`'s (`"global_next_index"`). Any other
+#: checkpointed state is taken to be one process's and resumes only on the process
+#: layout that saved it (`trainer.data.feed.check_resumable`).
+ELASTIC_STATE_KEYS = ("global_batch", "global_next_index")
 
 
 def shard_options(process_rows: tuple[int, int]) -> grain.sharding.ShardOptions:
@@ -90,15 +101,47 @@ class GrainBatches:
     self.read_options = grain.ReadOptions(num_threads=read_threads,
                                           prefetch_buffer_size=prefetch_batches)
 
-  def __call__(self, start_step: int = 0) -> Iterator[Batch]:
-    iterator = iter(self.dataset.to_iter_dataset(self.read_options))
-    if start_step:
-      state = iterator.get_state()
-      if set(state) != {"next_index"}:  # The one place that knows Grain's state format.
-        raise RuntimeError(f"unexpected Grain iterator state {state}; cannot start at step "
-                           f"{start_step}.")
-      iterator.set_state({"next_index": start_step})
-    return iterator
+  def __call__(self, start_step: int = 0) -> BatchIterator:
+    return BatchIterator(iter(self.dataset.to_iter_dataset(self.read_options)), start_step)
+
+
+class BatchIterator:
+  """This process's rows of global batches `start, start + 1, ...`, read by Grain.
+
+  Its state is `{"global_batch": s}`, the index of the next global batch: the same
+  on every process and for any number of processes (`ELASTIC_STATE_KEYS`).
+  """
+
+  def __init__(self, iterator: grain.DatasetIterator, start: int = 0):
+    self._iterator = iterator
+    self._next = 0
+    if start:
+      self.set_state({"global_batch": start})
+
+  def __iter__(self) -> BatchIterator:
+    return self
+
+  def __next__(self) -> Batch:
+    batch = next(self._iterator)
+    self._next += 1
+    return batch
+
+  def get_state(self) -> dict[str, int]:
+    return {"global_batch": self._next}
+
+  def set_state(self, state: dict[str, int]) -> None:
+    """Positions the iterator at a saved state (a checkpoint of an earlier release holds
+    Grain's own `{"next_index": s}`, which meant the same)."""
+    position = state.get("global_batch", state.get("next_index"))
+    if not isinstance(position, int) or position < 0:
+      raise ValueError(f"train data state {state!r} is not a Grain pipeline position "
+                       f"{{'global_batch': s}} with s >= 0.")
+    grain_state = self._iterator.get_state()
+    if set(grain_state) != {"next_index"}:  # The one place that knows Grain's state format.
+      raise RuntimeError(f"unexpected Grain iterator state {grain_state}; cannot start at "
+                         f"global batch {position}.")
+    self._iterator.set_state({"next_index": position})
+    self._next = position
 
 
 def eval_batches(source: Sequence, batch_size: int,

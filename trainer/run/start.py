@@ -18,8 +18,9 @@ import numpy as np
 
 from strategies import Strategy
 from trainer.checkpoint import Checkpointer, CheckpointError, CorruptCheckpointError
+from trainer.checkpoint.run_state import run_shape
 from trainer.data.device import DeviceData
-from trainer.data.feed import is_checkpointable
+from trainer.data.feed import check_resumable, describe_shape, is_checkpointable
 from trainer.loop.actions import Action
 from trainer.run.state import States
 
@@ -148,11 +149,16 @@ def _resume(states: States, checkpointer: Checkpointer, step: int,
   """Restores the run saved at `step` in one call: the state, the data position (the
   first batch is read again from there) and the actions' state."""
   run = states.restore(checkpointer, batch, step=step)
+  where, shape = checkpointer.step_dir(step), run_shape(states.strategy)
   if run.data is not None and is_checkpointable(batches):
+    check_resumable(run.data, run.shape, shape, where)
     batches.set_state(run.data)  # The batch read before was only for the shapes.
     batch = next(batches)
   for action in actions:
     if action.name in run.actions:
       action.load_state_dict(run.actions[action.name])
-  logging.info("Resuming at step %d from %s", step, checkpointer.step_dir(step))
+  if run.shape and run.shape != shape:  # Another machine shape: elastic resume.
+    logging.info("Checkpoint step %d was saved by %s; resuming on %s.", step,
+                 describe_shape(run.shape), describe_shape(shape))
+  logging.info("Resuming at step %d from %s", step, where)
   return run.state, batch
