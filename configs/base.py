@@ -213,8 +213,15 @@ def get_config() -> ml_collections.ConfigDict:
   # sharded_data_parallel: mesh over all devices; -1 takes the remaining devices.
   config.strategy.mesh_shape = (-1,)
   config.strategy.mesh_axes = ("data",)
-  # Logical axis name -> mesh axis; the rule for 'batch' shards the batch.
+  # Logical axis name -> mesh axis; the rule for 'batch' shards the batch. A parameter
+  # dimension annotated with a mesh axis name the table does not map is laid out on it.
   config.strategy.logical_axis_rules = (("batch", "data"),)
+  # sharded_data_parallel: "auto" (the partitioner propagates layouts; Flax's pjit guide) or
+  # "explicit" (shardings are part of the array types; Flax's current NNX examples).
+  config.strategy.axis_types = "auto"
+  # sharded_data_parallel: a parameter larger than this (MiB) replicated over a mesh axis
+  # that does not split the batch is an error (0: no limit).
+  config.strategy.max_replicated_mb = 256.0
   # sharded_ensemble: devices on the (ensemble, data) mesh axes; members are
   # split over 'ensemble' (ensemble_size must be a multiple of it), each
   # member's batch over 'data'. -1 takes the remaining devices.

@@ -17,15 +17,24 @@ import ml_collections
 
 from configs import base
 
-_TENSOR = (("heads", "model"), ("mlp", "model"), ("vocab", "model"))
+#: The logical names the LM's weights carry (`layer` from `nn.scan`).
+NAMES = ("vocab", "embed", "heads", "kv", "mlp", "length", "layer")
+
+
+def rules(**mapped: str) -> tuple:
+  """A rule table with a rule for every logical name: the batch over `data`, the names
+  in `mapped` on their mesh axis, the others replicated (`None`) on purpose."""
+  return (("batch", "data"),) + tuple((name, mapped.get(name)) for name in NAMES)
+
+
+_TENSOR = dict(heads="model", mlp="model", vocab="model")
 LAYOUTS = {
     #           mesh_shape, mesh_axes, rules
     "data_parallel": ((-1,), ("data",), (("batch", "data"),)),
-    "fsdp": ((-1,), ("data",), (("batch", "data"), ("embed", "data"))),
-    "tensor_parallel": ((1, -1), ("data", "model"), (("batch", "data"),) + _TENSOR),
-    "data_tensor": ((2, -1), ("data", "model"), (("batch", "data"),) + _TENSOR),
-    "fsdp_tensor": ((2, -1), ("data", "model"),
-                    (("batch", "data"), ("embed", "data")) + _TENSOR),
+    "fsdp": ((-1,), ("data",), rules(embed="data")),
+    "tensor_parallel": ((1, -1), ("data", "model"), rules(**_TENSOR)),
+    "data_tensor": ((2, -1), ("data", "model"), rules(**_TENSOR)),
+    "fsdp_tensor": ((2, -1), ("data", "model"), rules(embed="data", **_TENSOR)),
 }
 
 

@@ -18,5 +18,6 @@ def get_config() -> ml_collections.ConfigDict:
   config.strategy.name = "sharded_data_parallel"
   config.strategy.mesh_shape = (2, 4)
   config.strategy.mesh_axes = ("data", "model")
-  config.strategy.logical_axis_rules = (("batch", "data"), ("hidden", "model"))
+  config.strategy.logical_axis_rules = (("batch", "data"), ("hidden", "model"),
+                                        ("embed", None), ("layer", None))
   return config

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import warnings
 from collections.abc import Sequence
 
 import flax.linen as nn
@@ -18,12 +17,14 @@ import jax
 import ml_collections
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
+from strategies import layout
 from strategies.base import InitFn, PyTree, StepFn, Strategy
+from strategies.layout import LogicalRules, check_rules  # noqa: F401 -- their old home.
 from strategies.mesh import GlobalMeshBatch
 from strategies.registry import register
-from strategies.tree import keypath_str
 
-LogicalRules = tuple[tuple[str, str | tuple[str, ...] | None], ...]
+#: `config.strategy.axis_types` -> the mesh's axis type.
+AXIS_TYPES = {"auto": AxisType.Auto, "explicit": AxisType.Explicit}
 
 
 def resolve_mesh_shape(mesh_shape: Sequence[int], mesh_axes: Sequence[str],
@@ -55,99 +56,23 @@ def resolve_mesh_shape(mesh_shape: Sequence[int], mesh_axes: Sequence[str],
   return shape
 
 
-def check_rules(rules: Sequence, mesh_axes: Sequence[str]) -> LogicalRules:
-  """Validates a logical-axis rule table against the mesh axes and normalises it.
-
-  Raises:
-    ValueError: a rule is malformed or names a mesh axis the mesh does not have.
-  """
-  checked = []
-  for rule in rules:
-    if len(rule) != 2 or not isinstance(rule[0], str):
-      raise ValueError(
-          f"config.strategy.logical_axis_rules entry {rule!r} must be a pair "
-          f"(logical_name, mesh_axis | tuple of mesh axes | None).")
-    logical, target = rule
-    targets = (target,) if isinstance(target, str) or target is None else tuple(target)
-    unknown = [t for t in targets if t is not None and t not in mesh_axes]
-    if unknown:
-      raise ValueError(
-          f"config.strategy.logical_axis_rules maps {logical!r} to mesh axis "
-          f"{unknown[0]!r}, but the mesh axes are {tuple(mesh_axes)}.")
-    checked.append((logical, target if target is None or isinstance(target, str)
-                    else tuple(target)))
-  return tuple(checked)
-
-
-def check_one_mesh_axis_per_parameter(logical_specs: PyTree, rules: LogicalRules) -> None:
-  """Raises if a rule table sends two logical axes of one array to the same mesh axis.
-
-  Flax would silently replicate the second axis instead; a table that asks
-  for it is almost always a mistake (e.g. `embed -> data` and `mlp -> data`
-  make the `(embed, mlp)` kernel ask for `data` twice).
-
-  Args:
-    logical_specs: `nn.get_partition_spec` of an abstract state (logical names).
-  """
-  first_rule: dict[str, tuple[str, ...]] = {}
-  for logical, target in rules:
-    if logical not in first_rule:
-      first_rule[logical] = (() if target is None else (target,) if isinstance(target, str)
-                             else tuple(target))
-  for path, spec in jax.tree_util.tree_leaves_with_path(
-      logical_specs, is_leaf=lambda x: isinstance(x, PartitionSpec)):
-    if not isinstance(spec, PartitionSpec):
-      continue
-    used: dict[str, str] = {}
-    for name in spec:
-      for names in ((name,) if isinstance(name, str) else tuple(name or ())):
-        for mesh_axis in first_rule.get(names, ()):
-          if mesh_axis in used:
-            where = keypath_str(path)
-            raise ValueError(
-                f"config.strategy.logical_axis_rules maps logical axes {used[mesh_axis]!r} "
-                f"and {names!r} of parameter {where!r} (logical axes {tuple(spec)}) to the "
-                f"same mesh axis {mesh_axis!r}; an array can use a mesh axis once. Map one "
-                f"of them to another mesh axis or to None.")
-          used[mesh_axis] = names
-
-
-def warn_if_no_parameter_is_sharded(logical_specs: PyTree, rules: LogicalRules) -> None:
-  """Warns when the table has parameter rules (besides `batch`) but none matches a parameter.
-
-  Such a table usually means the model annotates other logical names (or none):
-  every device then holds the whole model and the mesh axes those rules name
-  do the same work on every device.
-
-  Args:
-    logical_specs: `nn.get_partition_spec` of an abstract state (logical names).
-  """
-  parameter_rules = [(logical, target) for logical, target in rules
-                     if logical != "batch" and target is not None]
-  if not parameter_rules:
-    return
-  annotated = set()
-  for spec in jax.tree.leaves(logical_specs, is_leaf=lambda x: isinstance(x, PartitionSpec)):
-    if isinstance(spec, PartitionSpec):
-      for name in spec:
-        annotated.update((name,) if isinstance(name, str) else tuple(name or ()))
-  if not any(logical in annotated for logical, _ in parameter_rules):
-    warnings.warn(
-        f"config.strategy.logical_axis_rules: no parameter is sharded; the rule(s) "
-        f"{', '.join(map(repr, parameter_rules))} match no logical axis of the model's "
-        f"parameters (they are annotated with {sorted(annotated) or 'no logical axes'}), so "
-        f"every device holds the whole model. Name the model's logical axes in the rules, or "
-        f"drop the rules for plain data parallelism.", UserWarning, stacklevel=2)
-
-
 @register("sharded_data_parallel")
 class ShardedDataParallel(GlobalMeshBatch, Strategy):
   """`jit` with in/out shardings over a mesh built from the config.
 
-  The mesh uses `Auto` axis types: Flax's `with_logical_constraint` becomes a
-  `with_sharding_constraint` hint that XLA's partitioner propagates from,
-  which is how the Flax guides use it (under `Explicit` axes it is an
-  assertion that fails on unannotated intermediates).
+  `axis_types` chooses the mesh's axis types (`config.strategy.axis_types`):
+
+  - `"auto"` (default): the compiler's partitioner propagates the layouts of
+    the inputs, parameters and `with_sharding_constraint` hints (Flax's
+    `with_logical_constraint`) to every intermediate, as in Flax's pjit guide.
+  - `"explicit"`: every array's sharding is part of its type (`jax.make_mesh`'s
+    default since jax 0.9, Flax's current NNX examples): jax infers each
+    intermediate's sharding from its inputs' while tracing and refuses an
+    ambiguous one; a `with_sharding_constraint` is an assertion, and the batch is
+    moved with `jax.sharding.reshard`.
+
+  Parameters are laid out by their annotations in both (`strategies.layout`):
+  logical names through the rule table, mesh axis names as written.
 
   On a multi-process run the mesh holds every process's devices (in process
   order, so each process feeds a consecutive block of the batch rows).
@@ -159,38 +84,68 @@ class ShardedDataParallel(GlobalMeshBatch, Strategy):
 
 
   def __init__(self, mesh_shape: Sequence[int], mesh_axes: Sequence[str],
-               logical_axis_rules: Sequence, devices: Sequence[jax.Device] | None = None):
+               logical_axis_rules: Sequence, devices: Sequence[jax.Device] | None = None, *,
+               axis_types: str = "auto", max_replicated_mb: float = 0):
     devices = list(devices or jax.devices())
     shape = resolve_mesh_shape(mesh_shape, mesh_axes, len(devices))
+    if axis_types not in AXIS_TYPES:
+      raise ValueError(f"config.strategy.axis_types={axis_types!r} is not one of "
+                       f"{tuple(AXIS_TYPES)}.")
+    if not isinstance(max_replicated_mb, int | float) or max_replicated_mb < 0:
+      raise ValueError(f"config.strategy.max_replicated_mb={max_replicated_mb!r} must be a "
+                       f"number >= 0 (0: no limit).")
     self.rules = check_rules(logical_axis_rules, mesh_axes)
-    self.mesh = jax.make_mesh(shape, tuple(mesh_axes), axis_types=(AxisType.Auto,) * len(shape),
-                              devices=devices)
+    self.axis_types = axis_types
+    self.max_replicated_mb = max_replicated_mb
+    self.mesh = jax.make_mesh(shape, tuple(mesh_axes),
+                              axis_types=(AXIS_TYPES[axis_types],) * len(shape), devices=devices)
     self.batch_spec = nn.logical_to_mesh_axes(("batch",), self.rules)
     self._batch_sharding = NamedSharding(self.mesh, self.batch_spec)
 
   @classmethod
   def from_config(cls, config: ml_collections.ConfigDict) -> ShardedDataParallel:
     return cls(config.strategy.mesh_shape, config.strategy.mesh_axes,
-               config.strategy.logical_axis_rules)
+               config.strategy.logical_axis_rules, axis_types=config.strategy.axis_types,
+               max_replicated_mb=config.strategy.max_replicated_mb)
+
+  @property
+  def batch_axes(self) -> tuple[str, ...]:
+    """The mesh axes the batch is split over."""
+    axes = self.batch_spec[0]
+    return () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
 
   @property
   def num_data_replicas(self) -> int:
-    axes = self.batch_spec[0]
-    axes = () if axes is None else (axes,) if isinstance(axes, str) else axes
-    return math.prod(self.mesh.shape[a] for a in axes)
+    return math.prod(self.mesh.shape[a] for a in self.batch_axes)
 
   @contextlib.contextmanager
   def _context(self):
-    """The mesh and rules that Flax's logical annotations read while tracing."""
-    with jax.set_mesh(self.mesh), nn.logical_axis_rules(self.rules):
+    """The mesh, and under `auto` the rules Flax's logical constraints read while tracing.
+
+    Under `explicit` Flax's logical constraints are off (a constraint would only
+    assert what the array types already say): each intermediate's sharding follows
+    from its inputs', and the model states the ambiguous ones (`out_sharding`).
+    """
+    if self.axis_types == "explicit":
+      with jax.set_mesh(self.mesh):
+        yield
+      return
+    with jax.set_mesh(self.mesh), nn.logical_axis_rules(
+        layout.with_mesh_axes(self.rules, self.mesh.axis_names)):
       yield
 
   def state_shardings(self, abstract_state: PyTree) -> PyTree:
-    """NamedShardings for a state from its logical annotations alone."""
-    specs = nn.get_partition_spec(abstract_state)
-    check_one_mesh_axis_per_parameter(specs, self.rules)
-    warn_if_no_parameter_is_sharded(specs, self.rules)
-    return nn.logical_to_mesh_sharding(specs, self.mesh, self.rules)
+    """NamedShardings for a state from its annotations alone (`strategies.layout`).
+
+    Raises:
+      ValueError: the rule table would lay a parameter out other than meant
+        (`layout.check_layout`).
+    """
+    layout.check_layout(abstract_state, self.rules, dict(self.mesh.shape), self.batch_axes,
+                        max_replicated_mb=self.max_replicated_mb)
+    return jax.tree.map(lambda spec: NamedSharding(self.mesh, spec),
+                        layout.mesh_specs(abstract_state, self.rules, self.mesh.axis_names),
+                        is_leaf=lambda x: isinstance(x, PartitionSpec))
 
   def checkpoint_target(self, abstract_state: PyTree) -> PyTree:
     def with_sharding(x, sharding):
@@ -209,6 +164,8 @@ class ShardedDataParallel(GlobalMeshBatch, Strategy):
   def constrain_batch(self, tree: PyTree, *, batch_dim: int = 0) -> PyTree:
     def constrain(x):
       spec = PartitionSpec(*([None] * batch_dim), self.batch_spec[0])
+      if self.axis_types == "explicit":  # A constraint would only assert; this moves it.
+        return jax.sharding.reshard(x, spec)
       return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
 
     return jax.tree.map(constrain, tree)
@@ -251,5 +208,5 @@ class ShardedDataParallel(GlobalMeshBatch, Strategy):
 
   def describe(self) -> str:
     mesh = ", ".join(f"{a}={n}" for a, n in self.mesh.shape.items())
-    return (f"{self.name}: mesh ({mesh}), batch {self.batch_spec}, "
+    return (f"{self.name}: {self.axis_types} mesh ({mesh}), batch {self.batch_spec}, "
             f"{self.num_data_replicas} data replica(s), rules {self.rules}")

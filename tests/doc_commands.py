@@ -66,6 +66,7 @@ FEW_STEPS = {
                                     "--devices", "2"],
     "benchmarks/lm_mfu.py": ["--steps", "1", "--repeats", "1", "--layers", "1", "--batch", "2",
                              "--matmul", "256"],
+    "trainer.plan": [],  # Compiles one step abstractly: seconds as written.
     "benchmarks/remat.py": ["--rounds", "1", "--block-seconds", "0", "--layers", "2", "--seq",
                             "32", "--batch", "4", "--variants", "blocks/nothing"],
 }
@@ -87,6 +88,7 @@ EXPECTED_OUTPUT = {
     "benchmarks/sweep_vs_runs.py": r"^ratio\s+\d+\.\d{2}x\s+\d+\.\d{2}x",
     "benchmarks/lm_mfu.py": (r"^cpu\s+float32\s+\d+\.\dM\s+\d+\.\d\s+\d+\.\d{4}\s+\d+\s+"
                              r"\d+\.\d{3}\s+\S+\s+\d+\.\d%"),
+    "trainer.plan": r"^  (fits|does NOT fit): peak [\d,.]+ MiB of",
     "benchmarks/remat.py": r"^blocks/nothing\s+\d+\.\d\s+\d\.\d{2}x\s+\d+\.\d{4}\s+\d+\.\d{3}x",
 }
 
@@ -117,8 +119,10 @@ def is_docs_command(command: str) -> bool:
 
 
 def script_of(command: str) -> str | None:
-  """The repository script a `python` command runs, if any."""
-  match = re.search(r"\s((?:examples|benchmarks)/\S+\.py)", " " + last_step(command))
+  """The repository script a `python` command runs (a module run with `-m trainer....`:
+  its name), if any."""
+  match = re.search(r"\s((?:examples|benchmarks)/\S+\.py|(?<=-m )trainer\.(?!distributed)\S+)",
+                    " " + last_step(command))
   return match.group(1) if match else None
 
 

@@ -5,7 +5,7 @@ import pytest
 from conftest import MLPTrainer, mlp_config, vector_batches
 from jax.sharding import PartitionSpec as P
 
-RULES = (("batch", "data"), ("hidden", "model"))
+RULES = (("batch", "data"), ("hidden", "model"), ("embed", None), ("layer", None))
 
 
 @pytest.fixture(scope="module")
@@ -57,3 +57,75 @@ def test_batch_is_sharded_over_the_data_axis(sharded_mlp):
   placed = trainer.strategy.put_batch(batches[0])
   assert placed["inputs"].sharding.spec == P("data")
   assert {s.data.shape for s in placed["inputs"].addressable_shards} == {(8, 8)}
+
+
+# -- Rule tables that cannot fail silently (strategies/layout.py) --------------------------------
+
+
+def _init(**strategy):
+  config = mlp_config(**{f"strategy.{k}": v for k, v in strategy.items()})
+  return MLPTrainer(config).init_state(vector_batches(1, 16, config.model.embed)[0])
+
+
+def test_two_rules_for_one_logical_name_are_refused():
+  with pytest.raises(ValueError, match=r"two rules for 'hidden': \('hidden', 'model'\) and "
+                                       r"\('hidden', None\)"):
+    _init(logical_axis_rules=RULES + (("hidden", None),))
+
+
+def test_a_logical_axis_no_rule_maps_is_refused_naming_the_parameters():
+  with pytest.raises(ValueError, match=(
+      r"logical axis 'layer' of parameter\(s\) params/layers/W1 \(2, 8, 16\), "
+      r"params/layers/W2 \(2, 16, 8\), .* has no rule in config.strategy.logical_axis_rules="
+      r".* Add a rule \('layer', <mesh axis>\), or \('layer', None\) to replicate it on "
+      r"purpose \(unmapped too: \['embed'\]\)")):
+    _init(logical_axis_rules=(("batch", "data"), ("hidden", "model")))
+  # A table that shards only the batch replicates every parameter on purpose.
+  state = _init(logical_axis_rules=(("batch", "data"),))
+  assert state.params["layers"]["W1"].value.sharding.spec == P(None, None, None)
+
+
+def test_a_rule_that_matches_no_parameter_warns_naming_it():
+  with pytest.warns(UserWarning, match=r"the rule\(s\) \('vocab', 'model'\) match no "
+                                       r"parameter"):
+    _init(logical_axis_rules=RULES + (("vocab", "model"),))
+
+
+def test_a_large_parameter_replicated_over_a_model_axis_is_refused():
+  replicated = (("batch", "data"), ("hidden", None), ("embed", None), ("layer", None))
+  with pytest.raises(ValueError, match=(
+      r"parameter 'params/layers/W1' \(2, 8, 16\) \(0.000977 MiB, annotated \('layer', "
+      r"'embed', 'hidden'\)\) is replicated over model axis 'model' \(size 4\) .* above "
+      r"config.strategy.max_replicated_mb=0.0005")):
+    _init(logical_axis_rules=replicated, max_replicated_mb=0.0005)
+  _init(logical_axis_rules=replicated, max_replicated_mb=0)  # No limit.
+  _init(logical_axis_rules=RULES, max_replicated_mb=0.0005)  # Sharded over 'model'.
+
+
+class MeshNamedDense(nn.Module):
+  """A Linen layer annotated with mesh axes (`nn.with_partitioning`), not logical names."""
+
+  @nn.compact
+  def __call__(self, x):
+    kernel = self.param("kernel", nn.with_partitioning(nn.initializers.lecun_normal(),
+                                                       (None, "model")), (x.shape[-1], 16))
+    return x @ kernel
+
+
+def test_an_annotation_that_names_a_mesh_axis_is_laid_out_as_written():
+  from trainer import Trainer
+
+  class MeshNamedTrainer(Trainer):
+    def build_model(self):
+      return MeshNamedDense()
+
+    def loss(self, outputs, batch):
+      return ((outputs[:, :8] - batch["targets"]) ** 2).mean(-1)
+
+  config = mlp_config(**{"strategy.logical_axis_rules": (("batch", "data"),)})
+  trainer = MeshNamedTrainer(config)
+  batches = vector_batches(2, 16, 8)
+  state = trainer.fit(batches, num_steps=2).state
+  kernel = state.params["kernel"].value
+  assert kernel.sharding.spec == P(None, "model")
+  assert {s.data.shape for s in kernel.addressable_shards} == {(8, 4)}

@@ -211,3 +211,78 @@ class FlaxStyleTrainer(ClassificationTrainer):
   def build_model(self):
     return FlaxStyleNet()
 
+
+
+# -- A decoder written the way Flax's current NNX examples write one (explicit sharding) -------
+
+
+def explicit_sharding(spec: jax.sharding.PartitionSpec) -> jax.sharding.PartitionSpec | None:
+  """`spec` under a mesh with Explicit axes (where jax asks the model for the sharding of an
+  ambiguous result, as Flax's NNX examples pass `out_sharding`), else None."""
+  mesh = jax.sharding.get_abstract_mesh()
+  explicit = not mesh.empty and jax.sharding.AxisType.Explicit in mesh.axis_types
+  return spec if explicit else None
+
+
+class MiniGptBlock(nnx.Module):
+  """Pre-norm attention and MLP; each weight carries its mesh `PartitionSpec`."""
+
+  def __init__(self, embed: int, heads: int, mlp: int, *, rngs: nnx.Rngs):
+    P = jax.sharding.PartitionSpec  # noqa: N806
+    init = nnx.initializers.xavier_uniform()
+    self.norm1 = nnx.LayerNorm(embed, scale_init=nnx.with_partitioning(
+        nnx.initializers.ones_init(), P("model")), rngs=rngs)
+    self.attention = nnx.MultiHeadAttention(
+        num_heads=heads, in_features=embed, decode=False,
+        kernel_init=nnx.with_partitioning(init, P(None, "model")),
+        bias_init=nnx.with_partitioning(nnx.initializers.zeros_init(), P("model")), rngs=rngs)
+    self.norm2 = nnx.LayerNorm(embed, scale_init=nnx.with_partitioning(
+        nnx.initializers.ones_init(), P("model")), rngs=rngs)
+    self.up = nnx.Linear(embed, mlp, kernel_init=nnx.with_partitioning(init, P(None, "model")),
+                         bias_init=nnx.with_partitioning(nnx.initializers.zeros_init(),
+                                                         P("model")), rngs=rngs)
+    self.down = nnx.Linear(mlp, embed, kernel_init=nnx.with_partitioning(init, P("model", None)),
+                           rngs=rngs)
+
+  def __call__(self, x):
+    # The residual stream is split over the batch only; where a contraction runs over a
+    # dimension split over 'model', the result's sharding is stated (Megatron's layout).
+    stream = explicit_sharding(jax.sharding.PartitionSpec("data", None, None))
+    mask = nnx.make_causal_mask(jnp.ones(x.shape[:2]))
+    x = x + self.attention(self.norm1(x), mask=mask, out_sharding=stream)
+    return x + self.down(nnx.gelu(self.up(self.norm2(x))), out_sharding=stream)
+
+
+class MiniGpt(nnx.Module):
+  """Token and position embeddings, `layers` blocks, a vocabulary head (no rule table)."""
+
+  def __init__(self, vocab: int = 32, embed: int = 16, heads: int = 4, mlp: int = 32,
+               layers: int = 2, max_len: int = 16, *, rngs: nnx.Rngs):
+    P = jax.sharding.PartitionSpec  # noqa: N806
+    normal = nnx.initializers.normal(0.02)
+    self.tokens = nnx.Embed(vocab, embed, embedding_init=nnx.with_partitioning(
+        normal, P(None, "model")), rngs=rngs)
+    self.positions = nnx.Embed(max_len, embed, embedding_init=nnx.with_partitioning(
+        normal, P(None, "model")), rngs=rngs)
+    self.blocks = nnx.List([MiniGptBlock(embed, heads, mlp, rngs=rngs) for _ in range(layers)])
+    self.head = nnx.Linear(embed, vocab, use_bias=False, kernel_init=nnx.with_partitioning(
+        nnx.initializers.xavier_uniform(), P(None, "model")), rngs=rngs)
+
+  def __call__(self, tokens):
+    P = jax.sharding.PartitionSpec  # noqa: N806
+    x = self.tokens(tokens, out_sharding=explicit_sharding(P("data", None, None)))
+    x = x + self.positions(jnp.arange(tokens.shape[1]),
+                           out_sharding=explicit_sharding(P(None, None)))[None]
+    for block in self.blocks:
+      x = block(x)
+    return self.head(x, out_sharding=explicit_sharding(P("data", None, None)))
+
+
+class MiniGptTrainer(Trainer):
+  input_key, target_key = "inputs", "targets"
+
+  def build_model(self):
+    return MiniGpt
+
+  def loss(self, logits, batch):
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean(-1)

@@ -55,6 +55,30 @@ PEAK_TFLOPS = {
 }
 
 
+#: device_kind (a substring of it, the longest that matches) -> memory per chip in GiB
+#: (the vendors' data sheets), which `python -m trainer.plan` compares a layout's peak with.
+MEMORY_GIB = {
+    "H100 NVL": 94.0,
+    "H100": 80.0,
+    "H200": 141.0,
+    "H800": 80.0,
+    "GH200": 96.0,
+    "B200": 192.0,
+    "A100": 80.0,  # The 40 GB part: pass --memory_gib=40.
+    "A800": 80.0,
+    "L40S": 48.0,
+    "L4": 24.0,
+    "A10G": 24.0,
+    "V100": 32.0,
+    "TPU v6 lite": 32.0,
+    "TPU v5p": 95.0,
+    "TPU v5 lite": 16.0,
+    "TPU v4": 32.0,
+    "TPU v3": 32.0,
+    "TPU v2": 16.0,
+}
+
+
 def peak_tflops(device: Any, compute_dtype: str) -> float | None:
   """The table's peak for `device` in `compute_dtype` ('float32', 'bfloat16', 'float16');
   on CPU the measured one; None for a device the table lacks."""

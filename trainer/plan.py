@@ -1,0 +1,230 @@
+r"""A dry run: whether a layout fits, and what its train step costs, before launching.
+
+    python -m trainer.plan --config=configs/lm.py:fsdp --devices=8 [--mesh=2x4] \
+        [--device=H100 | --memory_gib=16]
+
+It builds the train state and the train step abstractly (`jax.eval_shape`, then
+`lower(...).compile()` on `ShapeDtypeStruct`s carrying the strategy's shardings)
+for the given number of fake CPU devices: nothing is initialised, no data is read,
+no step runs. It prints per device the parameter, optimizer-state and other
+state bytes (from the shardings), the compiled step's argument, temporary
+(activations and workspace) and output bytes (`compiled.memory_analysis()`), its
+FLOPs (`compiled.cost_analysis()`), the collectives in its HLO, and the layout of
+the largest parameters; then compares the peak with one device's memory (the
+`--device` row of `trainer.throughput.MEMORY_GIB`, or `--memory_gib`) and says
+whether the run fits. The compiled program is the CPU backend's: a GPU or TPU
+compiler fuses and schedules differently, so its temporaries are an estimate.
+
+`make_plan(trainer, example_batch)` is the same for any Trainer.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+import re
+from typing import Any
+
+import jax
+import numpy as np
+
+PyTree = Any
+#: The collective ops of an optimised HLO module, as `make_plan` counts them.
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """What one device holds and runs for a train step (bytes per device, the fullest one).
+
+  Attributes:
+    params_bytes, opt_state_bytes, other_state_bytes: the train state's shards.
+    argument_bytes, output_bytes, temp_bytes, alias_bytes: the compiled step's
+      `memory_analysis()` (temp: activations and workspace; alias: outputs written
+      over donated inputs).
+    peak_bytes: argument + output - alias + temp.
+    flops: the compiled step's FLOPs per device (`cost_analysis()`).
+    collectives: op name -> count in the optimised HLO.
+    largest: `(path, shape, PartitionSpec, bytes on one device)` of the largest parameters.
+    device_memory: the memory compared against (None: not compared).
+  """
+
+  strategy: str
+  num_devices: int
+  params_bytes: int
+  opt_state_bytes: int
+  other_state_bytes: int
+  argument_bytes: int
+  output_bytes: int
+  temp_bytes: int
+  alias_bytes: int
+  flops: float
+  collectives: dict[str, int]
+  largest: list[tuple[str, tuple[int, ...], Any, int]]
+  device_memory: int | None = None
+
+  @property
+  def peak_bytes(self) -> int:
+    return self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes
+
+  @property
+  def fits(self) -> bool | None:
+    return None if self.device_memory is None else self.peak_bytes <= self.device_memory
+
+  def report(self) -> str:
+    mib = lambda b: f"{b / 2**20:,.2f} MiB"  # noqa: E731
+    lines = [
+        f"{self.strategy} on {self.num_devices} devices; per device (the fullest one):",
+        f"  parameters        {mib(self.params_bytes)}",
+        f"  optimizer state   {mib(self.opt_state_bytes)}",
+        f"  other state       {mib(self.other_state_bytes)}",
+        f"  step arguments    {mib(self.argument_bytes)} (state and batch)",
+        f"  step temporaries  {mib(self.temp_bytes)} (activations, workspace)",
+        f"  step outputs      {mib(self.output_bytes)} ({mib(self.alias_bytes)} written over "
+        f"donated inputs)",
+        f"  peak              {mib(self.peak_bytes)}",
+        f"  FLOPs per step    {self.flops:.4g}",
+        "  collectives       " + (", ".join(f"{n} x{c}" for n, c in self.collectives.items())
+                                 or "none"),
+        "  largest parameters:"]
+    for path, shape, spec, size in self.largest:
+      lines.append(f"    {path} {shape} {spec} -> {mib(size)} per device")
+    if self.device_memory is not None:
+      verdict = "fits" if self.fits else "does NOT fit"
+      lines.append(f"  {verdict}: peak {mib(self.peak_bytes)} of {mib(self.device_memory)} "
+                   f"({100 * self.peak_bytes / self.device_memory:.1f}%)")
+    return "\n".join(lines)
+
+
+def shard_bytes(x: Any) -> int:
+  """Bytes of the largest shard of an array (or `ShapeDtypeStruct`) with a sharding."""
+  shape = tuple(x.shape)
+  sharding = getattr(x, "sharding", None)
+  if sharding is not None:
+    shape = tuple(sharding.shard_shape(shape))
+  return math.prod(shape) * np.dtype(x.dtype).itemsize
+
+
+def _sum(tree: PyTree) -> int:
+  return sum(shard_bytes(x) for x in jax.tree.leaves(tree) if hasattr(x, "shape"))
+
+
+def count_collectives(hlo: str) -> dict[str, int]:
+  """Collective op -> count in an optimised HLO module's text (async pairs counted once)."""
+  counts = collections.Counter()
+  for op in COLLECTIVES:
+    counts[op] = len(re.findall(rf"\s{op}(?:-start)?\(", hlo))
+  return {op: n for op, n in counts.items() if n}
+
+
+def make_plan(trainer: Any, example_batch: dict[str, np.ndarray], *,
+              device_memory: int | None = None, top: int = 5) -> Plan:
+  """The plan of `trainer`'s train step for batches shaped like the host batch
+  `example_batch` (the global batch, on one process), with nothing initialised: the
+  state is `ShapeDtypeStruct`s with the strategy's shardings.
+
+  Raises:
+    ValueError: a pmap strategy (its step takes per-device copies; plan its jit
+      counterpart), or the layout's own errors (`strategies.layout.check_layout`).
+  """
+  import flax.linen as nn
+
+  strategy = trainer.strategy
+  if strategy.name.startswith("pmap"):
+    raise ValueError(f"the dry run plans jit strategies; config.strategy.name="
+                     f"{strategy.name!r} steps per-device copies. Plan 'sharded_data_parallel' "
+                     f"or 'sharded_ensemble' on the same devices instead.")
+  abstract = strategy.checkpoint_target(trainer.states.abstract(example_batch))
+  batch = strategy.put_batch(example_batch)  # One small host batch: its shapes and layout.
+  compiled = trainer.compiled.train(abstract).lower(abstract, batch).compile()
+  memory = compiled.memory_analysis()
+  cost = compiled.cost_analysis()
+  cost = cost[0] if isinstance(cost, list | tuple) else cost
+  is_box = lambda x: isinstance(x, nn.meta.AxisMetadata)  # noqa: E731
+  largest = []
+  for path, leaf in jax.tree_util.tree_leaves_with_path(abstract.params, is_leaf=is_box):
+    value = leaf.value if is_box(leaf) else leaf
+    largest.append((jax.tree_util.keystr(path), tuple(value.shape),
+                    getattr(value.sharding, "spec", None), shard_bytes(value)))
+  largest.sort(key=lambda row: -math.prod(row[1]))
+  params_bytes, opt_bytes = _sum(abstract.params), _sum(abstract.opt_state)
+  return Plan(
+      strategy=strategy.describe(), num_devices=strategy.num_devices,
+      params_bytes=params_bytes, opt_state_bytes=opt_bytes,
+      other_state_bytes=_sum(abstract) - params_bytes - opt_bytes,
+      argument_bytes=int(memory.argument_size_in_bytes),
+      output_bytes=int(memory.output_size_in_bytes), temp_bytes=int(memory.temp_size_in_bytes),
+      alias_bytes=int(memory.alias_size_in_bytes), flops=float((cost or {}).get("flops", 0.0)),
+      collectives=count_collectives(compiled.as_text()), largest=largest[:top],
+      device_memory=device_memory)
+
+
+def device_memory_bytes(device: str | None, memory_gib: float | None) -> int | None:
+  """One device's memory: `memory_gib`, else the `device` row of `MEMORY_GIB`.
+
+  Raises:
+    ValueError: naming the flag and the devices the table has.
+  """
+  from trainer.throughput import MEMORY_GIB
+  if memory_gib:
+    return int(memory_gib * 2**30)
+  if not device:
+    return None
+  for key in sorted(MEMORY_GIB, key=len, reverse=True):
+    if key.lower() in device.lower():
+      return int(MEMORY_GIB[key] * 2**30)
+  raise ValueError(f"--device={device!r} is not in trainer.throughput.MEMORY_GIB "
+                   f"{sorted(MEMORY_GIB)}; pass --memory_gib instead.")
+
+
+def main(argv) -> None:
+  from absl import app, flags
+
+  del argv
+  FLAGS = flags.FLAGS  # noqa: N806
+  config = FLAGS.config
+  devices_count = FLAGS.devices
+  mesh = FLAGS.mesh
+  if mesh:
+    try:
+      shape = tuple(int(n) for n in mesh.lower().split("x"))
+    except ValueError:
+      raise app.UsageError(f"--mesh={mesh!r} must be sizes joined by x, e.g. 2x4.") from None
+    if len(shape) != len(config.strategy.mesh_axes):
+      raise app.UsageError(f"--mesh={mesh!r} has {len(shape)} axes; the config's mesh axes are "
+                           f"{tuple(config.strategy.mesh_axes)}.")
+    config.strategy.mesh_shape = shape
+    devices_count = devices_count or math.prod(shape)
+  memory = device_memory_bytes(FLAGS.device, FLAGS.memory_gib)
+  from trainer.distributed import devices
+  devices.initialize(devices_count or config.get("num_cpu_devices", 0) or 8)
+  trainer, batch = _language_model(config)
+  plan = make_plan(trainer, batch, device_memory=memory)
+  print(plan.report())
+
+
+def _language_model(config):
+  """The LM Trainer of an `configs/lm.py` config and one synthetic batch of its shape."""
+  from trainer.language_model import LanguageModelTrainer, synthetic_token_batches
+  trainer = LanguageModelTrainer(config)
+  batch = next(synthetic_token_batches(0, config.batch_size, config.seq_len,
+                                       config.model.vocab_size))
+  return trainer, batch
+
+
+def _define_flags():
+  from absl import flags
+  from ml_collections import config_flags
+  config_flags.DEFINE_config_file("config", None, "A config (configs/lm.py:<layout>).")
+  flags.DEFINE_integer("devices", 0, "Fake CPU devices to plan for (default: the mesh's, or 8).")
+  flags.DEFINE_string("mesh", "", "The mesh shape, e.g. 2x4 (sets config.strategy.mesh_shape).")
+  flags.DEFINE_string("device", "", "A device of trainer.throughput.MEMORY_GIB (e.g. H100).")
+  flags.DEFINE_float("memory_gib", 0.0, "One device's memory in GiB (instead of --device).")
+  flags.mark_flag_as_required("config")
+
+
+if __name__ == "__main__":
+  from absl import app
+  _define_flags()
+  app.run(main)
