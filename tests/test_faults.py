@@ -242,3 +242,21 @@ def test_a_live_holder_of_another_launch_is_refused_in_process(tmp_path):
     assert ckpt.all_steps() == []  # Refused before anything ran.
   finally:
     sleeper.kill()
+
+
+def test_a_save_error_names_the_write_failure_orbax_only_logged(tmp_path):
+  # A failed write can make orbax's clean-up fail next, and `save` raises that second
+  # error; the first, logged by orbax's writer thread, is the cause the error names.
+  import logging as py_logging
+  (tmp_path / "checkpoints").mkdir()
+  ckpt = Checkpointer(tmp_path / "checkpoints", every_steps=2)
+  ckpt.latest_step()  # Opens orbax's manager (and the log watch) as a save does.
+  py_logging.getLogger("absl").error(
+      "[thread=json_ch_save] _SignalingThread.run() raised an exception: [Errno 28] No space "
+      "left on device: '%s/4.orbax-checkpoint-tmp/layout/metadata'", ckpt.directory)
+  cause = ckpt._cause(OSError(39, "Directory not empty"))
+  assert cause.startswith("[Errno 28] No space left on device") and \
+      cause.endswith("(then OSError: [Errno 39] Directory not empty)")
+  ckpt.wait()  # Nothing pending: the saves so far landed, the logged failure is forgotten.
+  assert ckpt._cause(OSError(39, "x")) == "OSError: [Errno 39] x"
+  ckpt.close()

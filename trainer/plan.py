@@ -4,7 +4,7 @@ r"""A dry run: whether a layout fits, and what its train step costs, before laun
         [--device=H100 | --memory_gib=16]
 
 It builds the train state and the train step abstractly (`jax.eval_shape`, then
-`lower(...).compile()` on `ShapeDtypeStruct`s carrying the strategy's shardings)
+`lower(...).compile()` on `jax.ShapeDtypeStruct` leaves carrying the strategy's shardings)
 for the given number of fake CPU devices: nothing is initialised, no data is read,
 no step runs. It prints per device the parameter, optimizer-state and other
 state bytes (from the shardings), the compiled step's argument, temporary
@@ -122,7 +122,7 @@ def make_plan(trainer: Any, example_batch: dict[str, np.ndarray], *,
               device_memory: int | None = None, top: int = 5) -> Plan:
   """The plan of `trainer`'s train step for batches shaped like the host batch
   `example_batch` (the global batch, on one process), with nothing initialised: the
-  state is `ShapeDtypeStruct`s with the strategy's shardings.
+  state's leaves are `jax.ShapeDtypeStruct` objects with the strategy's shardings.
 
   Raises:
     ValueError: a pmap strategy (its step takes per-device copies; plan its jit

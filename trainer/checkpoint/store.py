@@ -149,6 +149,24 @@ def check_config(config: ml_collections.ConfigDict) -> None:
                  keep_best=c.keep_best, on_corrupt=c.on_corrupt, on_save_error=c.on_save_error)
 
 
+class _FirstWriteFailure(logging.Handler):
+  """The first failure orbax's background write threads log for one directory.
+
+  A write that fails (ENOSPC) can make orbax's own clean-up of the step's temporary
+  directory fail next, and `save` then raises that second error; the first one, the
+  cause, is only logged. The checkpointer names it in its error.
+  """
+
+  def __init__(self, directory: str):
+    super().__init__(logging.ERROR)
+    self.directory, self.message = directory, None
+
+  def emit(self, record: logging.LogRecord) -> None:
+    text = record.getMessage()
+    if self.message is None and "raised an exception: " in text and self.directory in text:
+      self.message = text.split("raised an exception: ", 1)[1]
+
+
 class Checkpointer:
   """Saves and restores train states in a directory with an orbax `CheckpointManager`.
 
@@ -218,12 +236,14 @@ class Checkpointer:
         # A save interrupted by a crash leaves a temporary directory: removed on start.
         cleanup_tmp_directories=True)
     self._made: ocp.CheckpointManager | None = None
+    self._write_failure = _FirstWriteFailure(str(self.directory))
     self._pending_step: int | None = None  # The step of a save that may still be writing.
 
   @property
   def _manager(self) -> ocp.CheckpointManager:
     if self._made is None:
       quiet_orbax_info()
+      logging.getLogger("absl").addHandler(self._write_failure)
       self._made = ocp.CheckpointManager(
           self.directory, options=self._options,
           item_handlers={STATE_ITEM: ocp.StandardCheckpointHandler(),
@@ -276,6 +296,33 @@ class Checkpointer:
   def step_dir(self, step: int) -> str:
     return os.path.join(self.directory, str(step))
 
+  def _quiesce(self, timeout: float = 10.0, interval: float = 0.2) -> None:
+    """Waits until nothing writes into the temporary directories of a failed save.
+
+    When one item of a save fails, orbax stops waiting for the others, but their
+    writer threads go on for a while: a save or a restart in this directory would
+    race them when it removes the half-written step (`Directory not empty`).
+    """
+    def snapshot():
+      found = []
+      for name in (os.listdir(self.directory) if os.path.isdir(self.directory) else ()):
+        if TMP_MARK in name:
+          for root, _, files in os.walk(os.path.join(self.directory, name)):
+            for f in files:
+              try:
+                found.append((root, f, os.path.getsize(os.path.join(root, f))))
+              except OSError:
+                found.append((root, f, -1))
+      return sorted(found)
+
+    deadline, last = time.monotonic() + timeout, None
+    while time.monotonic() < deadline:
+      now = snapshot()
+      if now == last:
+        return
+      last = now
+      time.sleep(interval)
+
   def is_save_step(self, step: int) -> bool:
     """Whether the periodic schedule saves at `step` (the final step always saves)."""
     return bool(self.every_steps) and step % self.every_steps == 0
@@ -315,13 +362,22 @@ class Checkpointer:
           LAYOUT_ITEM: ocp.args.JsonSave(layout),
       }), metrics=metrics, force=True)
     except Exception as e:
+      self._quiesce()
       error = CheckpointError(f"saving checkpoint step {step} to {self.directory} failed: "
-                              f"{type(e).__name__}: {e}. {self._untouched()}")
+                              f"{self._cause(e)}. {self._untouched()}")
       if self.on_save_error == "stop":
         raise error from e
       self._failed(step, error)
       return
     self._pending_step = step
+
+  def _cause(self, error: Exception) -> str:
+    """`error`, after the failure of orbax's background write that led to it, if one was
+    logged since the last save that landed (`_FirstWriteFailure`)."""
+    first = self._write_failure.message
+    if first and first not in str(error):
+      return f"{first} (then {type(error).__name__}: {error})"
+    return f"{type(error).__name__}: {error}"
 
   def _untouched(self) -> str:
     """Where the run can resume from after a failed save."""
@@ -340,6 +396,7 @@ class Checkpointer:
       self._failed(step, e)
 
   def _failed(self, step: int, error: CheckpointError) -> None:
+    self._write_failure.message = None  # Reported: the next failure names its own cause.
     self.failed_saves.append(step)
     self.remove_partial()
     logging.error("%s The run goes on (config.checkpoint.on_save_error='continue') and "
@@ -357,11 +414,13 @@ class Checkpointer:
       self._manager.wait_until_finished()
     except Exception as e:
       step = self._pending_step
+      self._quiesce()
       error = CheckpointError(f"writing checkpoint step {step} to {self.directory} failed: "
-                              f"{type(e).__name__}: {e}. {self._untouched()}")
+                              f"{self._cause(e)}. {self._untouched()}")
       self._pending_step = None
       raise error from e
     self._pending_step = None
+    self._write_failure.message = None  # The saves so far landed.
 
   def close(self) -> None:
     """Waits for the last save and releases orbax's resources."""
@@ -370,6 +429,7 @@ class Checkpointer:
     finally:
       if self._made is not None:
         self._made.close()
+        logging.getLogger("absl").removeHandler(self._write_failure)
 
   # -- Reading -----------------------------------------------------------------
 
