@@ -156,9 +156,21 @@ def check_layout(abstract_state: PyTree, rules: LogicalRules, mesh_shape: Mappin
       parameter rules match no parameter, or a large parameter replicated over a
       model axis; each names the parameters, their shapes and the rule.
   """
-  table = dict(rules)
-  parameter_rules = [(n, t) for n, t in rules if n != BATCH and t is not None]
   leaves = annotations(abstract_state)
+  used = _check_names(leaves, rules, mesh_shape)
+  _check_rules_match(used, rules)
+  _check_replicated(leaves, rules, mesh_shape, batch_axes, max_replicated_mb)
+
+
+def _parameter_rules(rules: LogicalRules) -> list:
+  """The rules that shard parameters: not the batch's, not to None."""
+  return [(n, t) for n, t in rules if n != BATCH and t is not None]
+
+
+def _check_names(leaves: list, rules: LogicalRules, mesh_shape: Mapping[str, int]) -> set:
+  """Raises for two dimensions of one parameter on one mesh axis, or a name no rule maps and
+  no mesh axis has (where the table shards parameters); returns the names used."""
+  table = dict(rules)
   used, unknown = set(), {}
   for path, shape, _, names in leaves:
     seen: dict[str, str] = {}
@@ -180,7 +192,7 @@ def check_layout(abstract_state: PyTree, rules: LogicalRules, mesh_shape: Mappin
                 f"{names}) to the same mesh axis {axis!r}; an array can use a mesh axis once. "
                 f"Map one of them to another mesh axis or to None.")
           seen[axis] = name
-  if unknown and parameter_rules:
+  if unknown and _parameter_rules(rules):
     name, params = next(iter(unknown.items()))
     rest = sorted(n for n in unknown if n != name)
     others = f" (unmapped too: {rest})" if rest else ""
@@ -189,6 +201,12 @@ def check_layout(abstract_state: PyTree, rules: LogicalRules, mesh_shape: Mappin
         f"config.strategy.logical_axis_rules={rules!r} and is not a mesh axis "
         f"{tuple(mesh_shape)}; Flax would replicate it silently. Add a rule "
         f"({name!r}, <mesh axis>), or ({name!r}, None) to replicate it on purpose{others}.")
+  return used
+
+
+def _check_rules_match(used: set, rules: LogicalRules) -> None:
+  """Raises if no parameter rule matches a parameter; warns for each one that does not."""
+  parameter_rules = _parameter_rules(rules)
   dead = [(n, t) for n, t in parameter_rules if n not in used]
   if parameter_rules and len(dead) == len(parameter_rules):
     raise ValueError(
@@ -202,7 +220,12 @@ def check_layout(abstract_state: PyTree, rules: LogicalRules, mesh_shape: Mappin
         f"config.strategy.logical_axis_rules: the rule(s) {', '.join(map(repr, dead))} "
         f"match no parameter (the parameters are annotated with {sorted(used)}); they act "
         f"only on activations the model constrains with those names.", UserWarning,
-        stacklevel=3)
+        stacklevel=4)
+
+
+def _check_replicated(leaves: list, rules: LogicalRules, mesh_shape: Mapping[str, int],
+                      batch_axes: Sequence[str], max_replicated_mb: float) -> None:
+  """Raises for a parameter above the limit replicated over a model axis."""
   model_axes = [a for a, n in mesh_shape.items() if n > 1 and a not in batch_axes]
   if not (max_replicated_mb and model_axes):
     return
@@ -218,4 +241,3 @@ def check_layout(abstract_state: PyTree, rules: LogicalRules, mesh_shape: Mappin
           f"by config.strategy.logical_axis_rules={rules!r}, above "
           f"config.strategy.max_replicated_mb={max_replicated_mb:g}. Annotate it "
           f"and map a dimension to {over[0]!r}, or raise the limit (0: none).")
-
