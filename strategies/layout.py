@@ -40,13 +40,18 @@ LogicalRules = tuple[tuple[str, str | tuple[str, ...] | None], ...]
 BATCH = "batch"
 
 
-def _targets(target) -> tuple[str, ...]:
-  return () if target is None else (target,) if isinstance(target, str) else tuple(target)
-
-
-def _names(entry) -> tuple[str, ...]:
-  """The names of one dimension of an annotation (None, a name or a tuple of names)."""
+def axis_names(entry) -> tuple[str, ...]:
+  """The names in one entry of an annotation, a rule's target or a `PartitionSpec` (None,
+  a name, or a tuple of names)."""
   return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _axes_of(name: str, table: Mapping[str, Any], mesh_axes) -> tuple[str, ...] | None:
+  """The mesh axes one annotated name lands on: its rule's (a logical name), itself (a mesh
+  axis no rule names), or None (neither)."""
+  if name in table:
+    return axis_names(table[name])
+  return (name,) if name in mesh_axes else None
 
 
 def check_rules(rules: Sequence, mesh_axes: Sequence[str]) -> LogicalRules:
@@ -64,7 +69,7 @@ def check_rules(rules: Sequence, mesh_axes: Sequence[str]) -> LogicalRules:
           f"config.strategy.logical_axis_rules entry {rule!r} must be a pair "
           f"(logical_name, mesh_axis | tuple of mesh axes | None).")
     logical, target = rule
-    unknown = [t for t in _targets(target) if t not in mesh_axes]
+    unknown = [t for t in axis_names(target) if t not in mesh_axes]
     if unknown:
       raise ValueError(
           f"config.strategy.logical_axis_rules maps {logical!r} to mesh axis "
@@ -116,12 +121,7 @@ def resolve(names: tuple, rules: LogicalRules, mesh_axes: Sequence[str]) -> Part
   table = dict(rules)
   out = []
   for entry in names:
-    axes: list[str] = []
-    for name in _names(entry):
-      if name in table:
-        axes.extend(_targets(table[name]))
-      elif name in mesh_axes:
-        axes.append(name)
+    axes = [a for name in axis_names(entry) for a in _axes_of(name, table, mesh_axes) or ()]
     out.append(None if not axes else axes[0] if len(axes) == 1 else tuple(axes))
   return PartitionSpec(*out)
 
@@ -175,13 +175,10 @@ def _check_names(leaves: list, rules: LogicalRules, mesh_shape: Mapping[str, int
   for path, shape, _, names in leaves:
     seen: dict[str, str] = {}
     for entry in names:
-      for name in _names(entry):
+      for name in axis_names(entry):
         used.add(name)
-        if name in table:
-          axes = _targets(table[name])
-        elif name in mesh_shape:
-          axes = (name,)
-        else:
+        axes = _axes_of(name, table, mesh_shape)
+        if axes is None:
           unknown.setdefault(name, []).append((path, shape))
           continue
         for axis in axes:
@@ -231,7 +228,7 @@ def _check_replicated(leaves: list, rules: LogicalRules, mesh_shape: Mapping[str
     return
   for path, shape, size, names in leaves:
     spec = resolve(names, rules, tuple(mesh_shape))
-    on = {a for entry in spec for a in _names(entry)}
+    on = {a for entry in spec for a in axis_names(entry)}
     over = [a for a in model_axes if a not in on]
     if size > max_replicated_mb * 2**20 and over:
       annotated = f"annotated {names}" if names else "not annotated"

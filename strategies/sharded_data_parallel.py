@@ -111,8 +111,7 @@ class ShardedDataParallel(GlobalMeshBatch, Strategy):
   @property
   def batch_axes(self) -> tuple[str, ...]:
     """The mesh axes the batch is split over."""
-    axes = self.batch_spec[0]
-    return () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+    return layout.axis_names(self.batch_spec[0])
 
   @property
   def num_data_replicas(self) -> int:

@@ -128,7 +128,7 @@ def make_plan(trainer: Any, example_batch: dict[str, np.ndarray], *,
     ValueError: a pmap strategy (its step takes per-device copies; plan its jit
       counterpart), or the layout's own errors (`strategies.layout.check_layout`).
   """
-  import flax.linen as nn
+  from strategies.tree import keypath_str
 
   strategy = trainer.strategy
   if strategy.name.startswith("pmap"):
@@ -141,12 +141,8 @@ def make_plan(trainer: Any, example_batch: dict[str, np.ndarray], *,
   memory = compiled.memory_analysis()
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, list | tuple) else cost
-  is_box = lambda x: isinstance(x, nn.meta.AxisMetadata)  # noqa: E731
-  largest = []
-  for path, leaf in jax.tree_util.tree_leaves_with_path(abstract.params, is_leaf=is_box):
-    value = leaf.value if is_box(leaf) else leaf
-    largest.append((jax.tree_util.keystr(path), tuple(value.shape),
-                    getattr(value.sharding, "spec", None), shard_bytes(value)))
+  largest = [(keypath_str(path, drop_box=True), tuple(x.shape), getattr(x.sharding, "spec", None),
+              shard_bytes(x)) for path, x in jax.tree_util.tree_leaves_with_path(abstract.params)]
   largest.sort(key=lambda row: -math.prod(row[1]))
   params_bytes, opt_bytes = _sum(abstract.params), _sum(abstract.opt_state)
   return Plan(
@@ -166,14 +162,14 @@ def device_memory_bytes(device: str | None, memory_gib: float | None) -> int | N
   Raises:
     ValueError: naming the flag and the devices the table has.
   """
-  from trainer.throughput import MEMORY_GIB
+  from trainer.throughput import MEMORY_GIB, table_row
   if memory_gib:
     return int(memory_gib * 2**30)
   if not device:
     return None
-  for key in sorted(MEMORY_GIB, key=len, reverse=True):
-    if key.lower() in device.lower():
-      return int(MEMORY_GIB[key] * 2**30)
+  gib = table_row(MEMORY_GIB, device)
+  if gib is not None:
+    return int(gib * 2**30)
   raise ValueError(f"--device={device!r} is not in trainer.throughput.MEMORY_GIB "
                    f"{sorted(MEMORY_GIB)}; pass --memory_gib instead.")
 

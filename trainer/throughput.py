@@ -84,11 +84,19 @@ def peak_tflops(device: Any, compute_dtype: str) -> float | None:
   on CPU the measured one; None for a device the table lacks."""
   if device.platform == "cpu":
     return measured_peak()
-  kind = str(getattr(device, "device_kind", ""))
-  for key in sorted(PEAK_TFLOPS, key=len, reverse=True):
-    if key in kind:
-      bf16, fp32 = PEAK_TFLOPS[key]
-      return fp32 if compute_dtype == "float32" else bf16
+  row = table_row(PEAK_TFLOPS, str(getattr(device, "device_kind", "")))
+  if row is None:
+    return None
+  bf16, fp32 = row
+  return fp32 if compute_dtype == "float32" else bf16
+
+
+def table_row(table: dict[str, Any], device_kind: str) -> Any:
+  """The row of a per-device table (`PEAK_TFLOPS`, `MEMORY_GIB`) whose key is the longest
+  that `device_kind` contains, ignoring case; None if none is."""
+  for key in sorted(table, key=len, reverse=True):
+    if key.lower() in device_kind.lower():
+      return table[key]
   return None
 
 

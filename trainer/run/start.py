@@ -131,6 +131,8 @@ def read_everywhere(error: CheckpointError | None) -> CheckpointError | None:
     return CorruptCheckpointError(f"processes {np.flatnonzero(failed).tolist()} could not read "
                                   f"the checkpoint")
   return error
+
+
 def _train_iterator(train_batches: Any, start: int, resume_step: int | None,
                     checkpointer: Checkpointer | None) -> Iterator[Batch]:
   if callable(train_batches):
