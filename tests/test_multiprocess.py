@@ -203,6 +203,32 @@ def test_a_grain_run_saved_on_two_processes_resumes_on_one_process_of_8_and_of_4
                       cases.flat(trainer.strategy.to_canonical(whole.state)))
 
 
+# -- Starting --------------------------------------------------------------------------------
+
+
+def test_fresh_two_process_runs_start_every_time_however_their_directories_are_given(tmp_path):
+  """A fresh run's processes enter the same barriers: orbax's manager (made when a process
+  finds the checkpoint directory) is made by all or by none, decided from what all of them
+  see, so one process never waits in its barrier while another is in the first step."""
+  import fresh_start_run as fresh
+  rounds = 2
+  for r in range(rounds):
+    (tmp_path / f"existing-{r}").mkdir()
+  result = launch("tests/fresh_start_run.py", f"--root={tmp_path}", f"--rounds={rounds}")
+  assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
+  for r in range(rounds):
+    for way in fresh.WAYS:
+      for process in (0, 1):
+        assert f"[process {process}] {way}-{r}: step {fresh.NUM_STEPS}" in result.stdout
+      checkpointer = Checkpointer(tmp_path / f"{way}-{r}" /
+                                  ("checkpoints" if way == "workdir" else ""))
+      try:
+        assert checkpointer.all_steps() == list(range(1, fresh.NUM_STEPS + 1)), way
+      finally:
+        checkpointer.close()
+  assert "Watchdog" not in result.stdout  # The first step's one-time work is not a hang.
+
+
 # -- Preemption and failures -------------------------------------------------------------------
 
 

@@ -175,6 +175,48 @@ def test_the_watchdog_fires_on_no_progress_and_allows_slow_categories(tmp_path):
   assert exits == [timing.WATCHDOG_EXIT_CODE] and cleaned == [1]
 
 
+class _SlowFirstRun:
+  """A call's output whose first run takes `seconds` to finish (compilation is done, the
+  collectives are still being set up), as a jax array's `block_until_ready` would wait."""
+
+  def __init__(self, seconds: float):
+    self.seconds = seconds
+
+  def block_until_ready(self):
+    time.sleep(self.seconds)
+    self.seconds = 0.0
+    return self
+
+  def __array__(self, dtype=None, copy=None):  # Reading the flag waits for the call.
+    self.block_until_ready()
+    return np.ones((), bool)
+
+
+def test_the_watchdog_gives_a_first_calls_one_time_work_the_slow_limit():
+  from trainer.loop import driver
+
+  exits = []
+  watchdog = timing.Watchdog(0.3, 3.0, exit=exits.append)
+  clock = timing.LoopClock()
+  clock.watchdog = watchdog
+  first = _SlowFirstRun(1.0)  # Over the step limit, within the slow one.
+
+  def advance(state, step):
+    return state, {"finite": first if step == 0 else np.ones(())}, step + 1, None
+
+  advance.compiles_at = lambda step: step == 0
+  finite = driver.FiniteCheck(skip=False, to_host=np.asarray, which_models=lambda flags: "",
+                              saved_note=lambda: "")
+  watchdog.start()
+  try:
+    result = driver.run(advance, state=0, start=0, num_steps=3, actions=(), finite=finite,
+                        clock=clock)
+  finally:
+    watchdog.stop()
+  assert exits == [] and result.step == 3
+  assert clock.seconds["compile"] >= 1.0  # The first run is counted as one-time work.
+
+
 def test_an_unfinished_save_is_removed():
   import tempfile
   directory = pathlib.Path(tempfile.mkdtemp())

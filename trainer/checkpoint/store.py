@@ -32,6 +32,7 @@ import orbax.checkpoint as ocp
 from flax import serialization
 
 from strategies.tree import keypath_str
+from trainer.distributed.agree import any_process
 
 PyTree = Any
 
@@ -63,6 +64,11 @@ def quiet_orbax_info() -> None:
     for handler in logger.handlers:
       if not any(isinstance(f, _DropInfo) for f in handler.filters):
         handler.addFilter(_DropInfo())
+
+
+def _on_disk(directory: str) -> bool:
+  """Whether this process sees `directory` (its own view of a possibly shared filesystem)."""
+  return os.path.isdir(directory)
 
 
 class CheckpointError(RuntimeError):
@@ -266,8 +272,14 @@ class Checkpointer:
   # -- Steps -------------------------------------------------------------------
 
   def all_steps(self) -> list[int]:
-    """The steps of complete checkpoints, oldest first."""
-    if self._made is None and not os.path.isdir(self.directory):
+    """The steps of complete checkpoints, oldest first.
+
+    Until the first save or read, every process of a run must call it at the same point:
+    orbax's manager, made on first use, enters a barrier of all processes, so whether to
+    make it is decided from what all of them see (one process may not see the directory
+    another has just made).
+    """
+    if self._made is None and not any_process(_on_disk(self.directory)):
       return []  # Nothing saved yet; the directory is made by the first save.
     self._manager.reload()
     return sorted(self._manager.all_steps())

@@ -1,8 +1,8 @@
 """Where a run's wall time goes (goodput), and a watchdog for when it stops going anywhere.
 
 `LoopClock` accounts every second of the loop to one category: `compile`
-(the first call of each compiled program), `data` (reading and placing host
-batches), `train` (dispatching calls and waiting for them), `eval`,
+(the first call of each compiled program, until its results are ready), `data`
+(reading and placing host batches), `train` (dispatching calls and waiting for them), `eval`,
 `checkpoint`, `other` (the other actions), and the time before the loop:
 `startup` (process start, data, init, compilation of eval), or `restart`
 when the run resumed from a checkpoint. Measurements nest: time in an inner
@@ -164,7 +164,7 @@ class Watchdog:
         return
 
   def _fire(self, limit: float) -> None:
-    logging.error("Watchdog: nothing finished for %.0f s in %s (config.watchdog_seconds=%s, "
+    logging.error("Watchdog: nothing finished for %g s in %s (config.watchdog_seconds=%s, "
                   "watchdog_slow_seconds=%s); every thread's stack follows, then the process "
                   "exits with status %d.", limit, self._where, self.seconds, self.slow_seconds,
                   WATCHDOG_EXIT_CODE)

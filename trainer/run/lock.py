@@ -25,6 +25,7 @@ import uuid
 
 import jax
 
+from trainer.distributed.agree import any_process
 from trainer.distributed.launch import LAUNCH_ENV  # One value for all its attempts.
 
 #: The lock's file name in the run's directory.
@@ -126,18 +127,31 @@ def release(path: str) -> None:
 
 @contextlib.contextmanager
 def held(directory: str | None):
-  """The lock of `directory` while the block runs (nothing when `directory` is None; on a
-  multi-process run, only process 0 takes it)."""
-  if directory is None or jax.process_index() != 0:
+  """The lock of `directory` while the block runs (nothing when `directory` is None).
+
+  On a multi-process run process 0 takes it for all of them, and every process learns
+  whether it got it: a refusal stops them all, so none goes on into a collective alone.
+  """
+  if directory is None:
     yield
     return
   directory = os.path.abspath(directory)
-  made = not os.path.exists(directory)
-  path = acquire(directory)
+  path, refusal, made = None, None, False
+  if jax.process_index() == 0:
+    made = not os.path.exists(directory)
+    try:
+      path = acquire(directory)
+    except WorkdirInUseError as e:
+      refusal = e
+  if any_process(refusal is not None):
+    raise refusal or WorkdirInUseError(
+        f"{directory} is in use by another run: process 0 was refused its lock "
+        f"({os.path.join(directory, LOCK_NAME)}) and says why.")
   try:
     yield
   finally:
-    release(path)
-    if made:  # A run refused before it wrote anything leaves no directory behind.
-      with contextlib.suppress(OSError):
-        os.rmdir(directory)
+    if path is not None:
+      release(path)
+      if made:  # A run refused before it wrote anything leaves no directory behind.
+        with contextlib.suppress(OSError):
+          os.rmdir(directory)

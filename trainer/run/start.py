@@ -13,7 +13,6 @@ import logging
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
-import jax
 import numpy as np
 
 from strategies import Strategy
@@ -21,6 +20,7 @@ from trainer.checkpoint import Checkpointer, CheckpointError, CorruptCheckpointE
 from trainer.checkpoint.run_state import run_shape
 from trainer.data.device import DeviceData
 from trainer.data.feed import check_resumable, describe_shape, is_checkpointable
+from trainer.distributed.agree import per_process
 from trainer.loop.actions import Action
 from trainer.run.state import States
 
@@ -123,10 +123,7 @@ def read_everywhere(error: CheckpointError | None) -> CheckpointError | None:
   """This process's read error, or, where another process failed to read the checkpoint
   (a file only it reads), one saying so: every process then falls back to the same step.
   One process: `error` itself."""
-  if jax.process_count() == 1:
-    return error
-  from jax.experimental import multihost_utils
-  failed = np.asarray(multihost_utils.process_allgather(np.asarray(error is not None)), bool)
+  failed = per_process(error is not None)
   if error is None and failed.any():
     return CorruptCheckpointError(f"processes {np.flatnonzero(failed).tolist()} could not read "
                                   f"the checkpoint")
