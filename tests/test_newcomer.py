@@ -7,6 +7,7 @@ import pathlib
 import re
 
 import jax
+import numerics
 import numpy as np
 import pytest
 import tensorflow_datasets as tfds
@@ -73,15 +74,15 @@ def test_sync_batchnorm_makes_the_verbatim_model_equal_single_device_under_pmap(
   um.FlaxNnxMnistTrainer(cnn_config(**{"strategy.name": "pmap_data_parallel",
                                        "sync_batchnorm": True})).fit(batches, num_steps=1)
   runs = {}
-  for name in ("single_device", "pmap_data_parallel"):
+  for name in ("pmap_data_parallel", "single_device"):  # The chaos runs are the last one's.
     trainer = NoDropoutTrainer(cnn_config(**{"strategy.name": name, "sync_batchnorm": True}))
-    state = trainer.fit(batches, num_steps=3).state
-    runs[name] = trainer.strategy.to_canonical({"params": state.params,
-                                                "model_state": state.model_state})
+    view = lambda state, trainer=trainer: trainer.strategy.to_canonical(  # noqa: E731
+        {"params": state.params, "model_state": state.model_state})
+    runs[name] = view(trainer.fit(batches, num_steps=3).state)
+  # The yardstick of float32 noise (tests/numerics.py): the reference from a perturbed init.
+  runs["chaos"] = numerics.chaos_fits(trainer, batches, num_steps=3, view=view)
   assert jax.tree.leaves(runs["single_device"]["model_state"])
-  for a, b in zip(leaves(runs["pmap_data_parallel"]), leaves(runs["single_device"]),
-                  strict=True):
-    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+  numerics.assert_equivalent(runs["pmap_data_parallel"], runs["single_device"], runs["chaos"])
 
 
 def test_sync_batchnorm_binds_a_linen_batchnorm_too():
@@ -94,12 +95,13 @@ def test_sync_batchnorm_binds_a_linen_batchnorm_too():
     LocalBNTrainer(cnn_config(**{"strategy.name": "pmap_data_parallel"})).fit(
         batches, num_steps=1)
   runs = []
-  for name in ("single_device", "pmap_data_parallel"):
+  for name in ("pmap_data_parallel", "single_device"):  # The chaos runs are the last one's.
     trainer = LocalBNTrainer(cnn_config(**{"strategy.name": name, "sync_batchnorm": True}))
-    state = trainer.fit(batches, num_steps=2).state
-    runs.append(trainer.strategy.to_canonical((state.params, state.model_state)))
-  for a, b in zip(leaves(runs[1]), leaves(runs[0]), strict=True):
-    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+    view = lambda state, trainer=trainer: trainer.strategy.to_canonical(  # noqa: E731
+        (state.params, state.model_state))
+    runs.append(view(trainer.fit(batches, num_steps=2).state))
+  chaos = numerics.chaos_fits(trainer, batches, num_steps=2, view=view)
+  numerics.assert_equivalent(runs[0], runs[1], chaos)
 
 
 # -- A run shorter or longer than its schedule -------------------------------------------------

@@ -15,6 +15,24 @@ def test_ci_runs_the_readme_test_command_exactly():
   assert test_commands[0] in ci_script
 
 
+def test_ci_names_the_cpu_and_its_vector_extensions_first():
+  import subprocess
+  lines = [line for line in (ROOT / ".ci" / "run").read_text().splitlines()
+           if line and not line.startswith(("#", "set ", "cd "))]
+  assert lines[0].startswith("bash .ci/cpu"), lines[:2]
+  printed = subprocess.run(["bash", str(ROOT / ".ci" / "cpu")], capture_output=True, text=True,
+                           check=True).stdout
+  cpuinfo = pathlib.Path("/proc/cpuinfo").read_text()
+  model = next(line.split(":", 1)[1].strip() for line in cpuinfo.splitlines()
+               if line.startswith("model name"))
+  flags = next(line.split(":", 1)[1].split() for line in cpuinfo.splitlines()
+               if line.startswith("flags"))
+  assert printed.startswith(f"CPU: {model} ("), printed
+  listed = printed.split("vector extensions:", 1)[1].split()
+  assert listed and set(listed) <= set(flags), printed
+  assert ("avx512f" in listed) == ("avx512f" in flags), printed
+
+
 # The JAX-stack packages whose next minor release may change APIs the project uses, and the
 # newest release of each that the code is written for, which the declared range must admit.
 NEWEST_ADMITTED = {"jax": "0.12.0", "jaxlib": "0.12.0", "flax": "0.12.12", "optax": "0.2.8",

@@ -16,6 +16,7 @@ them. Equivalences, as for the CNN and the MLP:
 import functools
 
 import jax
+import numerics
 import numpy as np
 import pytest
 import user_models as um
@@ -68,11 +69,17 @@ def _assert_close(got, want):
 
 
 @functools.cache
-def _single(name):
+def _single(name, rng_of=None):
+  """The single-device run (from member `rng_of`'s init, if given), and its chaos runs
+  (`tests/numerics.py`)."""
   trainer_cls, extra = TRAINERS[name]
-  trainer, state = _fit(trainer_cls, {"strategy.name": "single_device", **extra},
-                        image_batches(STEPS, 16))
-  return _canonical(trainer, state)
+  rng = None if rng_of is None else member_rng(jax.random.PRNGKey(cnn_config().seed), rng_of)
+  batches = image_batches(STEPS, 16)
+  trainer, state = _fit(trainer_cls, {"strategy.name": "single_device", **extra}, batches,
+                        rng=rng)
+  chaos = numerics.chaos_fits(trainer, batches, num_steps=STEPS, rng=rng,
+                              view=lambda state: _canonical(trainer, state))
+  return _canonical(trainer, state), chaos
 
 
 @pytest.mark.parametrize("strategy", sorted(DATA_PARALLEL))
@@ -81,20 +88,11 @@ def test_data_parallel_matches_single_device(model, strategy):
   trainer_cls, extra = TRAINERS[model]
   trainer, state = _fit(trainer_cls, {**DATA_PARALLEL[strategy], **extra},
                         image_batches(STEPS, 16))
-  want = _single(model)
-  _assert_close(_canonical(trainer, state), want)
+  want, chaos = _single(model)
+  numerics.assert_equivalent(_canonical(trainer, state), want, chaos)
   if model != "nnx_cnn":  # The statistics moved from their initial values: BatchNorm ran.
     means = [x for x in leaves(want["model_state"]) if not np.allclose(x, x.flat[0])]
     assert means, "batch statistics did not change"
-
-
-@functools.cache
-def _single_member(model, i):
-  trainer_cls, extra = TRAINERS[model]
-  seed = cnn_config().seed
-  single, member = _fit(trainer_cls, {"strategy.name": "single_device", **extra},
-                        image_batches(STEPS, 16), rng=member_rng(jax.random.PRNGKey(seed), i))
-  return _canonical(single, member)
 
 
 @pytest.mark.parametrize("model,ensemble", [
@@ -106,7 +104,8 @@ def test_ensemble_members_match_single_device_runs(model, ensemble):
   trainer, state = _fit(trainer_cls, {**ENSEMBLES[ensemble], **extra}, image_batches(STEPS, 16))
   stacked = _canonical(trainer, state)
   for i in (0, trainer.strategy.num_members - 1):
-    _assert_close(jax.tree.map(lambda x, i=i: x[i], stacked), _single_member(model, i))
+    numerics.assert_equivalent(jax.tree.map(lambda x, i=i: x[i], stacked),
+                               *_single(model, rng_of=i))
 
 
 def test_eval_uses_running_statistics_and_they_survive_a_checkpoint_across_strategies(tmp_path):
