@@ -18,7 +18,7 @@ from strategies.pmap_data_parallel import PmapDataParallel
 from strategies.sharded_ensemble import ShardedEnsemble
 from strategies.single_device import SingleDevice
 from trainer import writers
-from trainer.checkpoint import Checkpointer
+from trainer.checkpoint import Checkpointer, CheckpointError
 from trainer.run.start import step_of
 from trainer.sweep import Sweep
 
@@ -80,9 +80,12 @@ def test_results_by_label_the_best_member_and_its_export(tmp_path):
   batches = image_batches(8, 16)
   workdir = tmp_path / "sweep"
   writer = writers.create_writer(str(workdir))
+  checkpointer = Checkpointer(workdir / "checkpoints", every_steps=0)
   result = trainer.fit(lambda s: batches[s:], num_steps=4, writer=writer, workdir=str(workdir),
-                       eval_batches=lambda: image_batches(2, 16, seed=9))
+                       eval_batches=lambda: image_batches(2, 16, seed=9),
+                       checkpointer=checkpointer)
   writer.close()
+  checkpointer.close()
   rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
   labels = [trainer.sweep.label(i) for i in range(len(trainer.sweep))]
   assert labels[0] == "learning_rate=0.1,weight_decay=0,grad_clip_norm=0.5,warmup_steps=2,seed=5"
@@ -117,6 +120,29 @@ def test_results_by_label_the_best_member_and_its_export(tmp_path):
   resumed = single.fit(lambda s: batches[s:], num_steps=6,
                        checkpointer=Checkpointer(workdir / "sweep_best", every_steps=0))
   assert resumed.step == 6
+
+  # Any member from the sweep's own checkpoint, as the guide says: its parameters, model
+  # state and optimizer state (converted from the sweep's injected layout), as exported.
+  sweep_checkpoints = Checkpointer(workdir / "checkpoints")
+  member_config.strategy.name = "single_device"
+  single = FlaxStyleTrainer(member_config)
+  member = single.restore_checkpoint(sweep_checkpoints, batches[0], member=best)
+  export = single.restore_checkpoint(Checkpointer(workdir / "sweep_best"), batches[0],
+                                     step=4)  # The export (the run above went on to 6).
+  for a, b in zip(jax.tree.leaves((export.params, export.model_state, export.opt_state)),
+                  jax.tree.leaves((member.params, member.model_state, member.opt_state)),
+                  strict=True):
+    np.testing.assert_array_equal(a, b)
+  other = (best + 1) % len(trainer.sweep)
+  member = single.restore_checkpoint(sweep_checkpoints, batches[0], member=other)
+  for a, b in zip(jax.tree.leaves(swept.params), jax.tree.leaves(member.params), strict=True):
+    np.testing.assert_array_equal(np.asarray(a)[other], b)
+  # Where a member cannot apply, asking for one is an error, never ignored.
+  with pytest.raises(CheckpointError, match=r"member=1 .* holds 8 models and strategy "
+                                            r"'sharded_ensemble' holds 8 models"):
+    trainer.restore_checkpoint(sweep_checkpoints, batches[0], member=1)
+  with pytest.raises(CheckpointError, match=r"member=0 .* holds a single model"):
+    single.restore_checkpoint(Checkpointer(workdir / "sweep_best"), batches[0], member=0)
 
 
 def test_a_strategy_built_in_code_starts_the_members_from_the_sweeps_seeds():

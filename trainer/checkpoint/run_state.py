@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax
+from flax import serialization
 
 from strategies import Strategy
 from strategies.capabilities import restore_member
@@ -86,14 +87,19 @@ def restore_run(checkpointer: Checkpointer, strategy: Strategy, abstract_state: 
   saved, where = layout["num_members"], checkpointer.step_dir(step)
   ours = strategy.checkpoint_layout()["num_members"]
   target = strategy.checkpoint_target(abstract_state)
+  if member is not None and not (saved and not ours):
+    raise CheckpointError(
+        f"member={member} asks for one member of an ensemble, but checkpoint {where} holds "
+        f"{_models(saved)} and strategy {strategy.name!r} holds {_models(ours)}: a member "
+        f"is restored from an ensemble or sweep checkpoint into a single-model strategy. "
+        f"Leave member out to restore {'the whole ensemble' if ours else 'the model'}.")
   if saved and not ours:
     if member is None or not 0 <= member < saved:
       raise CheckpointError(
           f"checkpoint {where} holds an ensemble of {saved} members and strategy "
           f"{strategy.name!r} holds one model; pass member=i with 0 <= i < {saved} (got "
           f"{member}) to restore one of them.")
-    restored = restore_member(lambda t: checkpointer.restore(step, t), target,
-                              num_saved=saved, member=member)
+    restored = _restore_member(checkpointer, step, target, num_saved=saved, member=member)
   elif saved != ours:
     raise CheckpointError(
         f"checkpoint {where} holds {_models(saved)} (written by {layout.get('strategy')!r}) "
@@ -104,3 +110,34 @@ def restore_run(checkpointer: Checkpointer, strategy: Strategy, abstract_state: 
   # `restored` is a train state whose static fields (apply_fn, tx) are this trainer's.
   return RunState(strategy.from_checkpoint(restored), step, data=layout.get("data"),
                   actions=dict(layout.get("actions") or {}), shape=dict(layout.get("shape") or {}))
+
+
+def _restore_member(checkpointer: Checkpointer, step: int, target: PyTree, *, num_saved: int,
+                    member: int) -> PyTree:
+  """Member `member` of the ensemble saved at `step`, in the layout of `target` (one model).
+
+  A sweep's members keep their hyperparameters in their optimizer state
+  (`optax.inject_hyperparams`); such a member's optimizer state is read in the
+  saved layout and converted to `target`'s (`single_model_opt_state`), as the
+  sweep's own export does. Its moments carry over; its hyperparameters are this
+  strategy's trainer's.
+  """
+  read = lambda t: checkpointer.restore(step, t)  # noqa: E731
+  wanted = serialization.to_state_dict(target)
+  saved_opt = checkpointer.saved_arrays(step).get("opt_state")
+  if not (isinstance(saved_opt, Mapping) and "inner_state" in saved_opt
+          and "inner_state" not in wanted["opt_state"]):
+    return restore_member(read, target, num_saved=num_saved, member=member)
+  from trainer.sweep.optimizer import single_model_opt_state
+  device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+  as_saved = {**wanted, "opt_state": jax.tree.map(
+      lambda m: jax.ShapeDtypeStruct(tuple(m.shape[1:]), m.dtype, sharding=device), saved_opt)}
+  one = restore_member(read, as_saved, num_saved=num_saved, member=member)
+  try:
+    opt_state = single_model_opt_state(one["opt_state"], wanted["opt_state"])
+  except ValueError as e:
+    raise CheckpointError(f"member {member} of checkpoint {checkpointer.step_dir(step)} "
+                          f"cannot be restored with this trainer's optimizer: {e}") from e
+  one["opt_state"] = jax.tree.map(lambda x, t: jax.device_put(x, t.sharding), opt_state,
+                                  wanted["opt_state"])
+  return serialization.from_state_dict(target, one)

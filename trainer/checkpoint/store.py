@@ -494,6 +494,22 @@ class Checkpointer:
     """The train data iterator's state saved with checkpoint `step` (None if none)."""
     return self.layout(step).get("data")
 
+  def saved_arrays(self, step: int) -> dict[str, Any]:
+    """The state dict of checkpoint `step`'s arrays as saved: metadata leaves with `.shape`
+    and `.dtype`, nothing read.
+
+    Raises:
+      CorruptCheckpointError: the step has no readable state item.
+    """
+    try:
+      saved = self._manager.item_metadata(step)[STATE_ITEM]
+      saved = getattr(saved, "tree", saved)
+    except Exception as e:
+      raise self._read_error(step, e) from e
+    if saved is None:
+      raise self._read_error(step, FileNotFoundError(f"no {STATE_ITEM!r} item"))
+    return saved
+
   def restore(self, step: int, target: PyTree) -> PyTree:
     """Restores checkpoint `step` into the structure of `target`.
 
@@ -506,13 +522,7 @@ class Checkpointer:
         shape differs from `target`'s.
     """
     target_dict = serialization.to_state_dict(target)
-    try:
-      saved = self._manager.item_metadata(step)[STATE_ITEM]
-      saved = getattr(saved, "tree", saved)
-    except Exception as e:
-      raise self._read_error(step, e) from e
-    if saved is None:
-      raise self._read_error(step, FileNotFoundError(f"no {STATE_ITEM!r} item"))
+    saved = self.saved_arrays(step)
     check_compatible(saved, target_dict, step=step, directory=self.step_dir(step))
     try:
       restored = self._manager.restore(step, args=ocp.args.Composite(**{

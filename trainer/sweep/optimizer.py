@@ -160,12 +160,15 @@ def _placed(values: Sequence[float], like: jax.Array) -> jax.Array:
 
 def single_model_opt_state(opt_state: PyTree, target: PyTree) -> PyTree:
   """A member's injected optimizer state in the layout of a plain single-model optimizer
-  (`target`: `create_optimizer(member config).init(params)`), for export.
+  (`target`: `create_optimizer(member config).init(params)`), for export and for restoring
+  one member of a sweep's checkpoint. Both may be optax states or their state dicts.
 
   Raises:
     ValueError: the two hold different arrays (another optimizer).
   """
-  leaves = jax.tree.leaves(opt_state.inner_state)
+  inner = (opt_state["inner_state"] if isinstance(opt_state, Mapping)
+           else opt_state.inner_state)
+  leaves = jax.tree.leaves(inner)
   want = jax.tree.leaves(target)
   if [np.shape(x) for x in leaves] != [np.shape(x) for x in want]:
     raise ValueError(f"the member's optimizer state holds arrays of shapes "
