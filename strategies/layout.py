@@ -9,9 +9,12 @@ the same way under `Auto` and `Explicit` mesh axes:
   logical name: it takes its rule's mesh axes (None: replicated);
 - a name the table does not map but the mesh has is a mesh axis, laid out as
   written (Flax's current NNX examples put `P(None, 'model')` on a weight);
-- any other name is an error where the table shards parameters at all: Flax
-  would replicate that dimension silently. A table that only shards the batch
-  (plain data parallelism) replicates every parameter on purpose.
+- any other name is an error (Flax would replicate that dimension silently)
+  under either axis type: always in an annotation that names mesh axes by its
+  form (Linen `nn.with_partitioning`, an NNX `PartitionSpec`), and in logical
+  annotations wherever the layout splits parameters at all. A table that only
+  shards the batch, over a model whose annotations name no mesh axis (plain
+  data parallelism), replicates every parameter on purpose.
 
 The table itself is checked against the parameters before anything is
 placed (`check_layout`): two rules for one logical name, two dimensions of one
@@ -96,15 +99,24 @@ def _names_of(leaf) -> tuple:
   return tuple(getattr(leaf, "names", ()) or ()) if _is_box(leaf) else ()
 
 
-def annotations(abstract_state: PyTree) -> list[tuple[str, tuple[int, ...], int, tuple]]:
-  """`(path, shape, bytes, names per dimension)` of every leaf of a state; unannotated
-  leaves have no names (`()`)."""
+def _in_mesh_axes(leaf) -> bool:
+  """Whether a leaf's annotation names mesh axes by its form: Linen `nn.with_partitioning`,
+  or an NNX `PartitionSpec` (the Trainer boxes those as `nn.Partitioned`, logical names
+  as `nn.LogicallyPartitioned`)."""
+  import flax.linen as nn
+  return isinstance(leaf, nn.Partitioned) and not isinstance(leaf, nn.LogicallyPartitioned)
+
+
+def annotations(abstract_state: PyTree) -> list[tuple[str, tuple[int, ...], int, tuple, bool]]:
+  """`(path, shape, bytes, names per dimension, names are mesh axes by their form)` of every
+  leaf of a state; unannotated leaves have no names (`()`)."""
   out = []
   for path, leaf in jax.tree_util.tree_leaves_with_path(abstract_state, is_leaf=_is_box):
     value = leaf.value if _is_box(leaf) else leaf
     shape = tuple(np.shape(value))
     dtype = np.dtype(getattr(value, "dtype", None) or np.asarray(value).dtype)
-    out.append((keypath_str(path), shape, math.prod(shape) * dtype.itemsize, _names_of(leaf)))
+    out.append((keypath_str(path), shape, math.prod(shape) * dtype.itemsize, _names_of(leaf),
+                _in_mesh_axes(leaf)))
   return out
 
 
@@ -169,18 +181,20 @@ def _parameter_rules(rules: LogicalRules) -> list:
 
 def _check_names(leaves: list, rules: LogicalRules, mesh_shape: Mapping[str, int]) -> set:
   """Raises for two dimensions of one parameter on one mesh axis, or a name no rule maps and
-  no mesh axis has (where the table shards parameters); returns the names used."""
+  no mesh axis has (where the layout shards parameters at all, or where the annotation names
+  mesh axes by its form); returns the names used."""
   table = dict(rules)
-  used, unknown = set(), {}
-  for path, shape, _, names in leaves:
+  used, unknown, as_mesh_axes = set(), {}, False
+  for path, shape, _, names, in_mesh_axes in leaves:
     seen: dict[str, str] = {}
     for entry in names:
       for name in axis_names(entry):
         used.add(name)
         axes = _axes_of(name, table, mesh_shape)
         if axes is None:
-          unknown.setdefault(name, []).append((path, shape))
+          unknown.setdefault(name, []).append((path, shape, in_mesh_axes))
           continue
+        as_mesh_axes |= name not in table and bool(axes)
         for axis in axes:
           if axis in seen:
             raise ValueError(
@@ -189,15 +203,23 @@ def _check_names(leaves: list, rules: LogicalRules, mesh_shape: Mapping[str, int
                 f"{names}) to the same mesh axis {axis!r}; an array can use a mesh axis once. "
                 f"Map one of them to another mesh axis or to None.")
           seen[axis] = name
-  if unknown and _parameter_rules(rules):
+  # A table that only splits the batch replicates logical names on purpose (plain data
+  # parallelism), unless the layout splits parameters after all (mesh axes named in the
+  # annotations): then an unknown name is as likely a misspelt mesh axis as a choice.
+  sharded = bool(_parameter_rules(rules)) or as_mesh_axes
+  unknown = {name: params for name, params in unknown.items()
+             if sharded or any(mesh_form for _, _, mesh_form in params)}
+  if unknown:
     name, params = next(iter(unknown.items()))
     rest = sorted(n for n in unknown if n != name)
-    others = f" (unmapped too: {rest})" if rest else ""
+    others = f" (unknown too: {rest})" if rest else ""
     raise ValueError(
-        f"logical axis {name!r} of parameter(s) {_fmt(params)} has no rule in "
-        f"config.strategy.logical_axis_rules={rules!r} and is not a mesh axis "
-        f"{tuple(mesh_shape)}; Flax would replicate it silently. Add a rule "
-        f"({name!r}, <mesh axis>), or ({name!r}, None) to replicate it on purpose{others}.")
+        f"axis name {name!r} in the annotation of parameter(s) "
+        f"{_fmt([(p, s) for p, s, _ in params])} is neither a logical axis of "
+        f"config.strategy.logical_axis_rules={rules!r} nor a mesh axis (the mesh's axes: "
+        f"{tuple(mesh_shape)}); Flax would replicate it silently. Correct a misspelt mesh "
+        f"axis, add a rule ({name!r}, <mesh axis>), or ({name!r}, None) to replicate it on "
+        f"purpose{others}.")
   return used
 
 
@@ -226,7 +248,7 @@ def _check_replicated(leaves: list, rules: LogicalRules, mesh_shape: Mapping[str
   model_axes = [a for a, n in mesh_shape.items() if n > 1 and a not in batch_axes]
   if not (max_replicated_mb and model_axes):
     return
-  for path, shape, size, names in leaves:
+  for path, shape, size, names, _ in leaves:
     spec = resolve(names, rules, tuple(mesh_shape))
     on = {a for entry in spec for a in axis_names(entry)}
     over = [a for a in model_axes if a not in on]

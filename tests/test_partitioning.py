@@ -1,8 +1,11 @@
 """Logical rules map annotations exactly as Flax does, and arrays really are laid out so."""
 
+import functools
+
 import flax.linen as nn
 import pytest
 from conftest import MLPTrainer, mlp_config, vector_batches
+from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 RULES = (("batch", "data"), ("hidden", "model"), ("embed", None), ("layer", None))
@@ -75,10 +78,11 @@ def test_two_rules_for_one_logical_name_are_refused():
 
 def test_a_logical_axis_no_rule_maps_is_refused_naming_the_parameters():
   with pytest.raises(ValueError, match=(
-      r"logical axis 'layer' of parameter\(s\) params/layers/W1 \(2, 8, 16\), "
-      r"params/layers/W2 \(2, 16, 8\), .* has no rule in config.strategy.logical_axis_rules="
-      r".* Add a rule \('layer', <mesh axis>\), or \('layer', None\) to replicate it on "
-      r"purpose \(unmapped too: \['embed'\]\)")):
+      r"axis name 'layer' in the annotation of parameter\(s\) params/layers/W1 \(2, 8, 16\), "
+      r"params/layers/W2 \(2, 16, 8\), .* is neither a logical axis of "
+      r"config.strategy.logical_axis_rules=.* nor a mesh axis \(the mesh's axes: \('data', "
+      r"'model'\)\).* add a rule \('layer', <mesh axis>\), or \('layer', None\) to "
+      r"replicate it on purpose \(unknown too: \['embed'\]\)")):
     _init(logical_axis_rules=(("batch", "data"), ("hidden", "model")))
   # A table that shards only the batch replicates every parameter on purpose.
   state = _init(logical_axis_rules=(("batch", "data"),))
@@ -129,3 +133,55 @@ def test_an_annotation_that_names_a_mesh_axis_is_laid_out_as_written():
   kernel = state.params["kernel"].value
   assert kernel.sharding.spec == P(None, "model")
   assert {s.data.shape for s in kernel.addressable_shards} == {(8, 4)}
+
+
+class MisspeltNnx(nnx.Module):
+  """Two NNX layers annotated with mesh `PartitionSpec`s, the second misspelt ('modle');
+  without `correct`, only the misspelt one."""
+
+  def __init__(self, *, rngs: nnx.Rngs, correct: bool = True):
+    init = nnx.initializers.lecun_normal()
+    self.up = nnx.Linear(8, 16, kernel_init=nnx.with_partitioning(
+        init, P(None, "model" if correct else "modle")), rngs=rngs)
+    self.down = nnx.Linear(16, 8, kernel_init=nnx.with_partitioning(init, P("modle", None)),
+                           rngs=rngs)
+
+  def __call__(self, x):
+    return self.down(nnx.relu(self.up(x)))
+
+
+class MisspeltLinen(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    kernel = self.param("kernel", nn.with_partitioning(nn.initializers.lecun_normal(),
+                                                       (None, "modle")), (x.shape[-1], 8))
+    return x @ kernel
+
+
+@pytest.mark.parametrize("axis_types", ["auto", "explicit"])
+@pytest.mark.parametrize("model", ["nnx", "nnx_alone", "linen"])
+@pytest.mark.parametrize("rules", ["batch_only", "sharding"])
+def test_a_misspelt_mesh_axis_in_an_annotation_is_refused_under_every_table(axis_types, model,
+                                                                            rules):
+  from trainer import Trainer
+
+  class Misspelt(Trainer):
+    def build_model(self):
+      if model == "linen":
+        return MisspeltLinen()
+      return functools.partial(MisspeltNnx, correct=model == "nnx")
+
+    def loss(self, outputs, batch):
+      return ((outputs - batch["targets"]) ** 2).mean(-1)
+
+  table = {"batch_only": (("batch", "data"),),
+           "sharding": (("batch", "data"), ("hidden", "model"))}[rules]
+  config = mlp_config(**{"strategy.logical_axis_rules": table,
+                         "strategy.axis_types": axis_types})
+  message = (r"axis name 'modle' in the annotation of parameter\(s\) params/down/kernel .* "
+             r"nor a mesh axis \(the mesh's axes: \('data', 'model'\)\)")
+  if model == "linen":  # Linen's Partitioned box constrains the init to it: jax refuses there.
+    message = (r"Resource axis: modle of P\(None, 'modle'\) is not found in mesh: "
+               r"\('data', 'model'\)")
+  with pytest.raises(ValueError, match=message):
+    Misspelt(config).fit(vector_batches(1, 16, 8), num_steps=1)

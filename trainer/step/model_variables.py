@@ -45,6 +45,7 @@ from typing import Any
 import flax.linen as nn
 import jax
 from flax import nnx
+from jax.sharding import PartitionSpec
 
 from strategies.mesh import BATCH_AXIS
 from trainer.step.remat import Remat, class_names
@@ -264,13 +265,16 @@ def _is_variable(x: Any) -> bool:
 
 
 def _boxed_tree(state: Mapping) -> dict:
-  """An `nnx.State` as nested dicts of arrays; annotated ones boxed with their logical names."""
+  """An `nnx.State` as nested dicts of arrays; annotated ones boxed with their names (a
+  `PartitionSpec`'s as mesh axes, `nn.Partitioned`; other names as logical ones)."""
   out = {}
   for key, value in state.items():
     if _is_variable(value):
       names = value.get_metadata().get("out_sharding")
       array = value.get_value()
-      out[key] = nn.LogicallyPartitioned(array, tuple(names)) if names else array
+      # A PartitionSpec names mesh axes; a tuple of names may be logical ones.
+      box = nn.Partitioned if isinstance(names, PartitionSpec) else nn.LogicallyPartitioned
+      out[key] = box(array, tuple(names)) if names else array
     else:
       out[key] = _boxed_tree(value)
   return out
