@@ -10,6 +10,10 @@ import ml_collections
 def get_config() -> ml_collections.ConfigDict:
   config = ml_collections.ConfigDict()
   config.seed = 0  # Params, member RNGs and data order all derive from it.
+  # The Trainer this config is written for, `path/to/file.py:Class` or `module:Class`, for
+  # tools that build one from a config alone (the dry run, `python -m trainer.plan`); the
+  # examples build their own. Its module defines `example_batch(config)`: one batch's shapes.
+  config.trainer = ""
   config.batch_size = 128  # Global: split over data replicas, whole for each ensemble member.
   config.eval_batch_size = 128  # Short final eval batches are padded and masked.
   config.num_train_steps = 1000  # The run's length; decaying schedules span it. <= 0: unset.

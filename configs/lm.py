@@ -42,6 +42,7 @@ def get_config(layout: str = "data_parallel") -> ml_collections.ConfigDict:
   if layout not in LAYOUTS:
     raise ValueError(f"configs/lm.py:{layout}: the layout must be one of {tuple(LAYOUTS)}.")
   config = base.get_config()
+  config.trainer = "trainer.language_model:LanguageModelTrainer"
   config.model = ml_collections.ConfigDict(dict(
       vocab_size=64, num_layers=2, embed_dim=64, num_heads=8, head_dim=8, mlp_dim=256,
       max_len=64))

@@ -15,6 +15,7 @@ from configs import base
 
 def get_config() -> ml_collections.ConfigDict:
   config = base.get_config()
+  config.trainer = "examples/mnist_ensemble.py:MNISTTrainer"
   config.ensemble_size = 8  # Members; pmap_ensemble needs one device per member.
   # On a CPU-only host the entry point makes this many host devices before jax
   # starts (0: leave jax's default). Ignored on GPU/TPU. A derived reference:

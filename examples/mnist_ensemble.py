@@ -39,7 +39,11 @@ from absl import app, flags, logging
 # Run from a checkout without installing: the repository root holds the packages.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from trainer import config as config_lib  # noqa: E402  (no jax: safe before devices)
+import numpy as np  # noqa: E402
+
+import models  # noqa: E402
+from trainer import ClassificationTrainer  # noqa: E402  (imports jax; starts no backend)
+from trainer import config as config_lib  # noqa: E402
 from trainer.run import workdir as workdir_lib  # noqa: E402
 
 FLAGS = flags.FLAGS
@@ -55,6 +59,26 @@ flags.mark_flags_as_required(["workdir"])
 flags.register_validator("workdir", workdir_lib.flag_validator)
 
 
+class MNISTTrainer(ClassificationTrainer):
+  """The CNN or the BatchNorm ResNet of `config.model.name`, 10 classes."""
+
+  def build_model(self):
+    m = self.config.model
+    if m.name == "resnet":
+      return models.ResNet(stage_sizes=tuple(m.stage_sizes), num_filters=m.num_filters,
+                           num_classes=10)
+    if m.name == "cnn":
+      return models.CNN(num_classes=10)
+    raise ValueError(f"config.model.name={m.name!r} is not one of ('cnn', 'resnet').")
+
+
+def example_batch(config) -> dict[str, np.ndarray]:
+  """One train batch's shapes (MNIST images scaled to [0, 1], int labels), for the dry run
+  (`python -m trainer.plan --config=configs/mnist_ensemble.py`)."""
+  return {"image": np.zeros((config.batch_size, 28, 28, 1), np.float32),
+          "label": np.zeros((config.batch_size,), np.int32)}
+
+
 def train_and_evaluate(config, workdir: str) -> dict[str, float] | None:
   """Trains as `config` says and returns the final eval metrics (None if stopped early).
 
@@ -63,20 +87,9 @@ def train_and_evaluate(config, workdir: str) -> dict[str, float] | None:
   fails before compute is spent; the Trainer comes after the data because a
   decaying learning-rate schedule needs the run's length in steps.
   """
-  import models
-  from trainer import ClassificationTrainer, data, writers
+  from trainer import data, writers
   from trainer.checkpoint import Checkpointer
   from trainer.data import pipeline
-
-  class MNISTTrainer(ClassificationTrainer):
-    def build_model(self):
-      m = self.config.model
-      if m.name == "resnet":
-        return models.ResNet(stage_sizes=tuple(m.stage_sizes), num_filters=m.num_filters,
-                             num_classes=10)
-      if m.name == "cnn":
-        return models.CNN(num_classes=10)
-      raise ValueError(f"config.model.name={m.name!r} is not one of ('cnn', 'resnet').")
 
   writers.check_writers(config.writers)
   d = config.data

@@ -38,9 +38,14 @@ class RegressionTrainer(Trainer):
 def synthetic_batches(num: int, batch_size: int, dim: int = 16) -> list[dict[str, np.ndarray]]:
   """`num` batches whose targets are a fixed linear map of the inputs."""
   rng = np.random.default_rng(0)
-  weights = rng.normal(size=(dim, dim)).astype(np.float32) / np.sqrt(dim)
+  weights = (rng.normal(size=(dim, dim)) / np.sqrt(dim)).astype(np.float32)
   inputs = [rng.normal(size=(batch_size, dim)).astype(np.float32) for _ in range(num)]
   return [{"inputs": x, "targets": x @ weights} for x in inputs]
+
+
+def example_batch(config) -> dict[str, np.ndarray]:
+  """One batch of this program's shapes, for the dry run (`python -m trainer.plan`)."""
+  return synthetic_batches(1, config.batch_size)[0]
 
 
 def main(argv):

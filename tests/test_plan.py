@@ -63,3 +63,54 @@ def test_a_device_name_gives_its_memory_and_an_unknown_one_is_refused():
   assert device_memory_bytes(None, 12.5) == int(12.5 * 2**30)
   with pytest.raises(ValueError, match=r"--device='Z80' is not in trainer.throughput.MEMORY_GIB"):
     device_memory_bytes("Z80", None)
+
+
+# -- Any Trainer: the one a config names, or --trainer ------------------------------------------
+
+
+def _mnist_plan(config_module, **overrides):
+  import importlib
+
+  from trainer.plan import jit_counterpart, load_trainer
+  config = importlib.import_module(f"configs.{config_module}").get_config()
+  config.batch_size = 16
+  config.update_from_flattened_dict(overrides)
+  trainer_cls, example_batch = load_trainer(config.trainer)
+  note = jit_counterpart(config)
+  return note, make_plan(trainer_cls(config), example_batch(config))
+
+
+def test_the_mnist_ensemble_and_a_sweep_of_16_are_planned_per_device():
+  from absl import flags
+  before = set(flags.FLAGS)
+  note, ensemble = _mnist_plan("mnist_ensemble")  # pmap_ensemble: one member per device.
+  assert set(flags.FLAGS) == before  # The example's own flags were set aside.
+  assert note.startswith("pmap_ensemble planned as its jit counterpart sharded_ensemble")
+  one_cnn = 4 * (3 * 3 * 32 + 32 + 3 * 3 * 32 * 64 + 64 + 3136 * 256 + 256 + 256 * 10 + 10)
+  assert ensemble.params_bytes == one_cnn  # models.CNN: one member's parameters a device.
+  note, sweep = _mnist_plan("mnist_sweep")  # 16 members over 8 devices: 2 each.
+  assert note == "" and sweep.params_bytes == 2 * one_cnn
+  assert sweep.temp_bytes > ensemble.temp_bytes
+
+
+def test_a_trainer_the_dry_run_cannot_build_is_refused_with_the_reason(tmp_path):
+  from absl import flags
+
+  from trainer.plan import PlanError, load_trainer
+  with pytest.raises(PlanError, match=r"must be 'path/to/file.py:Class' or 'module:Class'"):
+    load_trainer("examples/my_trainer.py")
+  with pytest.raises(PlanError, match=r"no file 'nowhere.py'"):
+    load_trainer("nowhere.py:T")
+  with pytest.raises(PlanError, match=r"has no Trainer subclass 'Nope' \(its Trainer classes: "
+                                      r"\['RegressionTrainer'\]\)"):
+    load_trainer("examples/my_trainer.py:Nope")
+  program = tmp_path / "program.py"
+  program.write_text("from absl import flags\nfrom trainer import Trainer\n"
+                     "flags.DEFINE_string('config', None, 'clashes with the caller')\n"
+                     "class Mine(Trainer):\n  pass\n")
+  before = set(flags.FLAGS)
+  with pytest.raises(PlanError, match=r"defines no example_batch\(config\)"):
+    load_trainer(f"{program}:Mine")
+  assert set(flags.FLAGS) == before
+  cls, batch = load_trainer("trainer.language_model:LanguageModelTrainer")
+  assert cls is LanguageModelTrainer and callable(batch)

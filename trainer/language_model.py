@@ -54,3 +54,10 @@ def synthetic_token_batches(seed: int, batch_size: int, length: int, vocab_size:
     tokens = tokens[rows]
     yield {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
     step += 1
+
+
+def example_batch(config) -> dict[str, np.ndarray]:
+  """One batch of the shapes an LM config trains on (`config.batch_size` x `config.seq_len`
+  tokens): what the dry run (`python -m trainer.plan`) compiles the step for."""
+  return next(synthetic_token_batches(config.seed, config.batch_size, config.seq_len,
+                                      config.model.vocab_size))

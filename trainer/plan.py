@@ -2,6 +2,16 @@ r"""A dry run: whether a layout fits, and what its train step costs, before laun
 
     python -m trainer.plan --config=configs/lm.py:fsdp --devices=8 [--mesh=2x4] \
         [--device=H100 | --memory_gib=16]
+    python -m trainer.plan --config=configs/mnist_sweep.py --devices=8
+    python -m trainer.plan --config=configs/base.py \
+        --trainer=examples/my_trainer.py:RegressionTrainer
+
+The Trainer is the one the config names (`config.trainer`), or `--trainer`
+(`path/to/file.py:Class` or `module:Class`); its module defines
+`example_batch(config)`, one batch of the shapes it trains on. A pmap strategy
+is planned as its jit counterpart on the same devices (`sharded_ensemble` with
+one member per device, `sharded_data_parallel` over a data axis): the same
+state per device, compiled by `jit`.
 
 It builds the train state and the train step abstractly (`jax.eval_shape`, then
 `lower(...).compile()` on `jax.ShapeDtypeStruct` leaves carrying the strategy's shardings)
@@ -174,6 +184,85 @@ def device_memory_bytes(device: str | None, memory_gib: float | None) -> int | N
                    f"{sorted(MEMORY_GIB)}; pass --memory_gib instead.")
 
 
+class PlanError(ValueError):
+  """The dry run cannot build what it was asked to plan; the message says why."""
+
+
+def load_trainer(spec: str) -> tuple[type, Any]:
+  """The Trainer class `spec` names (`path/to/file.py:Class` or `module:Class`) and its
+  module's `example_batch(config)`.
+
+  A Trainer's file may also be a program that defines absl flags when imported (the
+  examples do): those are defined aside and dropped, so they meet none of the caller's.
+
+  Raises:
+    PlanError: the file, module or class is missing, the class is no Trainer, or the
+      module defines no `example_batch`.
+  """
+  import importlib
+  import importlib.util
+  import os
+
+  from absl import flags
+
+  from trainer.trainer import Trainer
+
+  where, _, name = spec.rpartition(":")
+  if not where or not name:
+    raise PlanError(f"--trainer / config.trainer={spec!r} must be 'path/to/file.py:Class' or "
+                    f"'module:Class'.")
+  defined = flags.FLAGS._flags()  # noqa: SLF001  (the registry the module's DEFINEs fill)
+  ours = dict(defined)
+  defined.clear()
+  try:
+    if where.endswith(".py"):
+      if not os.path.isfile(where):
+        raise PlanError(f"--trainer / config.trainer={spec!r}: no file {where!r} (from "
+                        f"{os.getcwd()}).")
+      module_spec = importlib.util.spec_from_file_location(
+          "_planned_" + os.path.splitext(os.path.basename(where))[0], where)
+      module = importlib.util.module_from_spec(module_spec)
+      module_spec.loader.exec_module(module)
+    else:
+      try:
+        module = importlib.import_module(where)
+      except ImportError as e:
+        raise PlanError(f"--trainer / config.trainer={spec!r}: cannot import {where!r} "
+                        f"({e}).") from e
+  finally:
+    defined.clear()
+    defined.update(ours)
+  cls = getattr(module, name, None)
+  if not (isinstance(cls, type) and issubclass(cls, Trainer)):
+    found = sorted(k for k, v in vars(module).items()
+                   if isinstance(v, type) and issubclass(v, Trainer) and v is not Trainer)
+    raise PlanError(f"--trainer / config.trainer={spec!r}: {where} has no Trainer subclass "
+                    f"{name!r} (its Trainer classes: {found or 'none'}).")
+  batch = getattr(module, "example_batch", None)
+  if not callable(batch):
+    raise PlanError(f"--trainer / config.trainer={spec!r}: {where} defines no "
+                    f"example_batch(config), the one batch of its shapes the dry run compiles "
+                    f"the step for; add one beside {name}.")
+  return cls, batch
+
+
+def jit_counterpart(config) -> str:
+  """Turns a pmap strategy of `config` into the jit strategy with the same state per device
+  (in place); returns what was changed ("" for a jit strategy)."""
+  name = config.strategy.name
+  if name == "pmap_ensemble":
+    config.strategy.name = "sharded_ensemble"
+    config.strategy.ensemble_mesh_shape = (-1, 1)  # One member per device, as under pmap.
+  elif name == "pmap_data_parallel":
+    config.strategy.name = "sharded_data_parallel"
+    config.strategy.mesh_shape, config.strategy.mesh_axes = (-1,), ("data",)
+    config.strategy.logical_axis_rules = (("batch", "data"),)
+  else:
+    return ""
+  return (f"{name} planned as its jit counterpart {config.strategy.name} on the same devices "
+          f"(the same state per device; the program is jit's)")
+
+
 def main(argv) -> None:
   from absl import app, flags
 
@@ -193,26 +282,30 @@ def main(argv) -> None:
     config.strategy.mesh_shape = shape
     devices_count = devices_count or math.prod(shape)
   memory = device_memory_bytes(FLAGS.device, FLAGS.memory_gib)
+  spec = FLAGS.trainer or config.trainer
+  if not spec:
+    raise app.UsageError("the config names no Trainer (config.trainer is empty): pass "
+                         "--trainer=path/to/file.py:Class, e.g. "
+                         "--trainer=examples/my_trainer.py:RegressionTrainer.")
+  try:
+    trainer_cls, example_batch = load_trainer(spec)
+  except PlanError as e:
+    raise app.UsageError(str(e)) from None
+  note = jit_counterpart(config)
   from trainer.distributed import devices
-  devices.initialize(devices_count or config.get("num_cpu_devices", 0) or 8)
-  trainer, batch = _language_model(config)
-  plan = make_plan(trainer, batch, device_memory=memory)
+  devices.initialize(devices_count or config.num_cpu_devices or 8)
+  trainer = trainer_cls(config)
+  plan = make_plan(trainer, example_batch(config), device_memory=memory)
+  print(f"{trainer_cls.__name__} ({spec})" + (f"; {note}" if note else ""))
   print(plan.report())
-
-
-def _language_model(config):
-  """The LM Trainer of an `configs/lm.py` config and one synthetic batch of its shape."""
-  from trainer.language_model import LanguageModelTrainer, synthetic_token_batches
-  trainer = LanguageModelTrainer(config)
-  batch = next(synthetic_token_batches(0, config.batch_size, config.seq_len,
-                                       config.model.vocab_size))
-  return trainer, batch
 
 
 def _define_flags():
   from absl import flags
   from ml_collections import config_flags
   config_flags.DEFINE_config_file("config", None, "A config (configs/lm.py:<layout>).")
+  flags.DEFINE_string("trainer", "", "The Trainer, path/to/file.py:Class or module:Class "
+                      "(default: config.trainer).")
   flags.DEFINE_integer("devices", 0, "Fake CPU devices to plan for (default: the mesh's, or 8).")
   flags.DEFINE_string("mesh", "", "The mesh shape, e.g. 2x4 (sets config.strategy.mesh_shape).")
   flags.DEFINE_string("device", "", "A device of trainer.throughput.MEMORY_GIB (e.g. H100).")
