@@ -312,3 +312,50 @@ def test_a_mistyped_override_names_the_field_and_what_is_there(tmp_path, args, m
   assert result.returncode == 1
   assert re.search(message, result.stderr), result.stderr[-3000:]
   assert "Traceback" not in result.stderr
+
+
+# -- The first screen ---------------------------------------------------------------------------
+
+
+def test_the_stacks_start_up_notices_are_kept_off_the_console_unless_asked_for():
+  """jax's 'no TPU here', tfds's 'no OpenCV' (PIL decodes) and TensorFlow's C++ notices are
+  not failures: hidden at the default verbosity, shown at --verbosity=1; a real warning of
+  the same loggers still shows."""
+  import logging as std_logging
+
+  from absl import logging as absl_logging
+
+  from trainer import console
+  import subprocess
+  import sys
+  env = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
+  shown = subprocess.run([sys.executable, "-c", "import trainer, tensorflow"], env=env,
+                         capture_output=True, text=True, check=True, cwd=ROOT)
+  assert "oneDNN" not in shown.stderr and "rebuild TensorFlow" not in shown.stderr, shown.stderr
+  seen = []
+
+  class Keep(std_logging.Handler):
+    def emit(self, record):
+      seen.append(record.getMessage())
+
+  handler = Keep()
+  std_logging.getLogger().addHandler(handler)
+  saved = absl_logging.get_verbosity()
+  try:
+    std_logging.getLogger("jax._src.xla_bridge").setLevel(std_logging.INFO)
+    std_logging.getLogger("jax._src.xla_bridge").info(
+        "Unable to initialize backend 'tpu': INTERNAL: Failed to open libtpu.so")
+    absl_logging.warning("OpenCV is not installed. We recommend using OpenCV")
+    absl_logging.warning("a real warning")
+    assert seen == ["a real warning"]
+    absl_logging.set_verbosity(absl_logging.DEBUG)
+    absl_logging.warning("OpenCV is not installed. We recommend using OpenCV")
+    assert seen[-1].startswith("OpenCV is not installed")
+  finally:
+    absl_logging.set_verbosity(saved)
+    std_logging.getLogger().removeHandler(handler)
+  spec = ("OUT_OF_RANGE: Error reading \"rng/.zarray\": size 7 [tensorstore_spec='{\"a\": "
+          "[1, 2]}'] and more")
+  assert console.one_line(spec) == ("OUT_OF_RANGE: Error reading \"rng/.zarray\": size 7 [...] "
+                                    "and more")
+  assert len(console.one_line("x" * 5000)) == console.LINE_CHARS

@@ -14,7 +14,9 @@ import importlib.util
 import sys
 import warnings
 
-from trainer import _lazy
+from trainer import _lazy, console
+
+console.quiet()  # Before jax or TensorFlow start: their notices are not failures.
 
 _EXPORTS = {
     "Action": "trainer.loop.actions",

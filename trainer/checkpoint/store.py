@@ -32,6 +32,7 @@ import orbax.checkpoint as ocp
 from flax import serialization
 
 from strategies.tree import keypath_str
+from trainer import console
 from trainer.distributed.agree import any_process
 
 PyTree = Any
@@ -467,8 +468,11 @@ class Checkpointer:
       from jax.experimental import multihost_utils
       multihost_utils.sync_global_devices(f"set aside checkpoint {step}")
     self._manager.reload()
-    logging.error("Checkpoint step %d is unreadable (%s); set aside as %s, nothing deleted "
-                  "(config.checkpoint.on_corrupt='fallback').", step, reason, moved)
+    cause = reason.__cause__ or reason
+    logging.error("Checkpoint step %d is unreadable (%s: %s); set aside as %s, nothing "
+                  "deleted (config.checkpoint.on_corrupt='fallback'; the full error with "
+                  "--verbosity=1).", step, type(cause).__name__, console.one_line(cause), moved)
+    logging.debug("Checkpoint step %d: the full read error: %s", step, reason)
     return moved
 
   def layout(self, step: int) -> dict[str, Any]:
