@@ -322,12 +322,12 @@ def test_the_stacks_start_up_notices_are_kept_off_the_console_unless_asked_for()
   not failures: hidden at the default verbosity, shown at --verbosity=1; a real warning of
   the same loggers still shows."""
   import logging as std_logging
+  import subprocess
+  import sys
 
   from absl import logging as absl_logging
 
   from trainer import console
-  import subprocess
-  import sys
   env = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
   shown = subprocess.run([sys.executable, "-c", "import trainer, tensorflow"], env=env,
                          capture_output=True, text=True, check=True, cwd=ROOT)
