@@ -42,7 +42,26 @@ def _config_reads(path: pathlib.Path) -> list[tuple[int, str, bool]]:
       names = names[:-1]
     if names:
       reads.append((node.lineno, ".".join(names), via_get))
+  for node in ast.walk(tree):  # `config.get("field", fallback)`, `config.x.get("y", ...)`.
+    if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+        and node.func.attr == "get" and node.args and isinstance(node.args[0], ast.Constant)):
+      names, value = [], node.func.value
+      while isinstance(value, ast.Attribute):
+        names.append(value.attr)
+        value = value.value
+      names = names[::-1]
+      if isinstance(value, ast.Name) and value.id == "config" or names[:1] == ["config"]:
+        names = [n for n in names if n != "config"] + [str(node.args[0].value)]
+        reads.append((node.lineno, ".".join(names), True))
   return reads
+
+
+def test_a_read_with_a_fallback_is_found():
+  import tempfile
+  with tempfile.NamedTemporaryFile("w", suffix=".py") as f:
+    f.write("def f(config):\n  return config.get('num_cpu_devices', 0) or 8\n")
+    f.flush()
+    assert _config_reads(pathlib.Path(f.name)) == [(2, "num_cpu_devices", True)]
 
 
 READS = [(p.relative_to(ROOT), line, field, via_get)

@@ -70,6 +70,9 @@ def test_the_api_reference_documents_the_trainers_hooks_in_order(site):
   assert where == sorted(where)
   assert page.index('id="trainer.trainer.Trainer.loss"') < page.index(
       'id="trainer.trainer.Trainer.fit"')
+  # The page opens with the Trainer, not with internal tables such as the moved names'.
+  assert "MOVED" not in page and page.index('id="trainer.trainer.Trainer"') < page.index(
+      'id="trainer.trainer.Trainer.build_model"')
 
 
 def test_a_public_module_missing_from_the_reference_is_a_warning(monkeypatch):

@@ -13,7 +13,7 @@ from conftest import CNNTrainer, cnn_config
 
 import trainer
 from trainer import MOVED_MODULES
-from trainer.trainer import MOVED
+from trainer.trainer import _MOVED as MOVED
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 

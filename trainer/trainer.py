@@ -55,10 +55,9 @@ if TYPE_CHECKING:  # Only annotations: clu's writers import TensorFlow (seconds)
 Batch = Mapping[str, Any]
 PyTree = Any
 
-#: Attributes and methods the Trainer no longer has, and where each went.
-#:
-#: :meta hide-value:
-MOVED = {
+#: Attributes and methods the Trainer no longer has, and where each went (internal: kept out
+#: of the API reference; `Trainer.__getattr__` names the new place).
+_MOVED = {
     "finish_sweep": "trainer.sweep.summarize (the sweep's report calls it at a run's end)",
     "export_member": "trainer.sweep.export_member(state, member, directory, "
                      "sweep=trainer.sweep, config=trainer.config, strategy=trainer.strategy, "
@@ -313,8 +312,8 @@ class Trainer(abc.ABC):
                          tokens_per_example=self.tokens_per_example)
 
   def __getattr__(self, name: str) -> Any:
-    if name in MOVED:
-      raise AttributeError(f"Trainer.{name} moved out of the Trainer: use {MOVED[name]}.")
+    if name in _MOVED:
+      raise AttributeError(f"Trainer.{name} moved out of the Trainer: use {_MOVED[name]}.")
     raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
   # -- Running (each is a part's) -------------------------------------------------
