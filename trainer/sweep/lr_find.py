@@ -34,6 +34,7 @@ import ml_collections
 import numpy as np
 
 from trainer.loop.actions import Action, Produced, StepView
+from trainer.sweep import plots
 from trainer.sweep.members import Sweep
 
 #: A member whose final loss is above this many times its first one diverged (a rate too
@@ -141,28 +142,33 @@ class LrFind(Action):
 
 def plot(rates: Sequence[float], losses: np.ndarray, result: dict[str, Any], path: str) -> None:
   """Saves the range test's PNG: each rate's smoothed loss against steps, and the final
-  loss against the rate (log scale) with diverged rates crossed and the suggestion marked."""
+  loss against the rate (log scale) with the suggestion marked. Both y-axes show the
+  range of the stable rates (`trainer.sweep.plots`): a diverged rate's curve is dashed
+  and leaves the axis, its final loss a red mark on the edge."""
   import matplotlib
   matplotlib.use("Agg")  # Files only: no display.
   from matplotlib import pyplot as plt
 
   rates = np.asarray(rates, float)
   curves = smooth(np.where(np.isfinite(losses), losses, np.nan))
+  final = np.asarray(result["final_loss"])
+  diverged = np.asarray(result["diverged"])
   fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6))
   colours = plt.get_cmap("viridis")
   span = np.log(rates.max() / rates.min()) or 1.0
-  for rate, curve in zip(rates, curves, strict=True):
+  for rate, curve, lost in zip(rates, curves, diverged, strict=True):
     left.plot(curve, color=colours(np.log(rate / rates.min()) / span), lw=1,
-              label=f"{rate:.2g}")
+              ls="--" if lost else "-", label=f"{rate:.2g}" + (" diverged" if lost else ""))
+  limits = plots.readable_limits(curves, np.repeat(~diverged[:, None], curves.shape[1], 1))
+  if limits is not None:
+    left.set_ylim(*limits)
   left.set_xlabel("step")
   left.set_ylabel("train loss (smoothed)")
   left.legend(fontsize="x-small", ncol=2)
-  final = np.asarray(result["final_loss"])
-  diverged = np.asarray(result["diverged"])
   order = np.argsort(rates)
   right.plot(rates[order], np.where(diverged, np.nan, final)[order], marker="o")
-  right.scatter(rates[diverged], np.minimum(final[diverged], np.nanmax(curves[:, 0])),
-                marker="x", color="red", label="diverged")
+  plots.mark_off_scale(right, rates, np.where(diverged, np.inf, final),
+                       plots.readable_limits(final, ~diverged))
   if result["steepest"] is not None:
     right.axvline(result["steepest"], color="black", ls="--",
                   label=f"suggested {result['steepest']:.3g}")

@@ -21,7 +21,7 @@ import numpy as np
 
 from trainer.loop.actions import Action, Produced, StepView
 from trainer.step.optim import create_schedule, optimizer_for
-from trainer.sweep import schedulers
+from trainer.sweep import plots, schedulers
 from trainer.sweep.lr_find import LrFind
 from trainer.sweep.members import Sweep
 from trainer.sweep.optimizer import single_model_opt_state
@@ -173,12 +173,14 @@ def plot(rows: Sequence[Mapping[str, Any]], varied: Sequence[str], metric: str, 
   names = [n for n in varied if n != "seed"] or ["seed"]
   fig, axes = plt.subplots(1, len(names), figsize=(4 * len(names), 3.2), squeeze=False)
   seeds = sorted({r.get("seed", 0) for r in rows})
+  limits = plots.readable_limits([r[metric] for r in rows])
   for ax, name in zip(axes[0], names, strict=True):
     for seed in seeds:
       mine = [r for r in rows if r.get("seed", 0) == seed]
       ax.scatter([r[name] for r in mine], [r[metric] for r in mine], label=f"seed {seed}")
     ax.scatter([rows[best][name]], [rows[best][metric]], s=160, facecolors="none",
                edgecolors="black", label="best")
+    plots.mark_off_scale(ax, [r[name] for r in rows], [r[metric] for r in rows], limits)
     values = [r[name] for r in rows]
     if min(values) > 0 and max(values) >= 10 * min(values):
       ax.set_xscale("log")
@@ -250,6 +252,8 @@ def plot_curves(scheduler: Scheduler, metric: str, path: str) -> None:
   fig, ax = plt.subplots(figsize=(7, 4))
   colours = plt.get_cmap("viridis")
   n = max(len(scheduler.sweep) - 1, 1)
+  ends = [(r["curve"][-1][0], r["curve"][-1][2]) for r in scheduler.trials if r["curve"]]
+  limits = plots.readable_limits([p[2] for r in scheduler.trials for p in r["curve"]])
   for r in scheduler.trials:
     if not r["curve"]:
       continue
@@ -262,9 +266,12 @@ def plot_curves(scheduler: Scheduler, metric: str, path: str) -> None:
                  marker="^" if "parent" in r else "o", s=30)
     if r["status"] == "stopped":
       ax.scatter([steps[-1]], [values[-1]], color=colour, marker="x", s=40)
+  # A trial that ended diverged or NaN: marked at its last step, on the edge.
+  off = plots.mark_off_scale(ax, *zip(*ends, strict=True), limits) if ends else 0
   ax.set_xlabel("step")
   ax.set_ylabel(metric)
-  ax.set_title(f"{scheduler.name or 'grid'}: o refilled, x stopped, ^ copied")
+  ax.set_title(f"{scheduler.name or 'grid'}: o refilled, x stopped, ^ copied"
+               + (", red: off the scale (diverged or NaN)" if off else ""))
   fig.tight_layout()
   fig.savefig(path, dpi=100)
   plt.close(fig)
