@@ -14,6 +14,7 @@ import os
 import signal
 
 import jax
+import numerics
 import numpy as np
 import pytest
 from conftest import ALL_STRATEGIES as STRATEGIES
@@ -92,8 +93,13 @@ def test_k_steps_a_call_equal_one_step_a_call(tmp_path, strategy, model):
                                 trainer_cls=trainer_cls)
   assert calls == [(0, 4), (4, 8), (8, 10)]  # 10 is not a multiple of 4: ends at 10.
   assert four.step == 10 and step_of(four.state, t4.strategy) == 10
-  for a, b in zip(_state(t1, one.state), _state(t4, four.state), strict=True):
-    _assert_same(a, b, exact)
+  if exact:
+    for a, b in zip(_state(t1, one.state), _state(t4, four.state), strict=True):
+      np.testing.assert_array_equal(a, b)
+  else:  # Within the one-step run's own float32 noise (tests/numerics.py).
+    chaos = numerics.chaos_fits(t1, batches, num_steps=10,
+                                view=lambda state: _state(t1, state))
+    numerics.assert_equivalent(_state(t4, four.state), _state(t1, one.state), chaos)
   assert sorted(rows4) == sorted(rows1) == list(range(1, 11))  # A loss for every step.
   for name in ("loss", "accuracy"):
     _assert_same([rows4[s][name] for s in range(1, 11)], [rows1[s][name] for s in range(1, 11)],
@@ -130,9 +136,10 @@ def test_skip_accumulation_and_ema_equal_one_step_a_call(tmp_path):
   t4, four, rows4, _ = _fit(tmp_path, "k4", k=4, batches=batches, num_steps=10,
                             trainer_cls=CNNTrainer, **recipe)
   assert one.skipped_steps == four.skipped_steps == 1
-  # Microbatches and the EMA in the unrolled calls fuse differently: float32 round-off.
-  for a, b in zip(_state(t1, one.state), _state(t4, four.state), strict=True):
-    _assert_same(a, b, exact=False)
+  # Microbatches and the EMA in the unrolled calls fuse differently: float32 round-off,
+  # measured against the one-step run's own noise (tests/numerics.py).
+  chaos = numerics.chaos_fits(t1, batches, num_steps=10, view=lambda state: _state(t1, state))
+  numerics.assert_equivalent(_state(t4, four.state), _state(t1, one.state), chaos)
   assert [rows4[s]["skipped_steps"] for s in range(1, 11)] == \
       [rows1[s]["skipped_steps"] for s in range(1, 11)] == [0] * 6 + [1] * 4
 

@@ -2,7 +2,9 @@ r"""A dry run: whether a layout fits, and what its train step costs, before laun
 
     python -m trainer.plan --config=configs/lm.py:fsdp --devices=8 [--mesh=2x4] \
         [--device=H100 | --memory_gib=16]
+
     python -m trainer.plan --config=configs/mnist_sweep.py --devices=8
+
     python -m trainer.plan --config=configs/base.py \
         --trainer=examples/my_trainer.py:RegressionTrainer
 
