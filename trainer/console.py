@@ -64,8 +64,8 @@ def one_line(error: BaseException | str) -> str:
   for an event's log line; log the whole with `logging.debug`."""
   text = " ".join(str(error).split())
   cut = text.find(" [tensorstore_spec='")
-  end = text.find("}']", cut)
   if cut >= 0:
+    end = text.find("}']", cut)
     text = text[:cut] + " [...]" + (text[end + 3:] if end >= 0 else "")
   if len(text) > LINE_CHARS:
     text = text[:LINE_CHARS - 3] + "..."
