@@ -226,6 +226,16 @@ def get_config() -> ml_collections.ConfigDict:
   # sharded_data_parallel: a parameter larger than this (MiB) replicated over a mesh axis
   # that does not split the batch is an error (0: no limit).
   config.strategy.max_replicated_mb = 256.0
+  # sharded_data_parallel with a 'stage' mesh axis (and the rule ('layer', 'stage')): the
+  # model's layer stack (models.layer_stack) is pipelined over it (strategies/pipeline.py).
+  # `microbatches`: pieces of each batch (0: one per stage; more shrinks the bubble,
+  # (stages-1)/(microbatches*repeats+stages-1)); `repeats`: layer groups per stage (1:
+  # GPipe; more: the circular schedule); `remat`: recompute each stage's layers in the
+  # backward pass, keeping only its inputs.
+  config.strategy.pipeline = ml_collections.ConfigDict()
+  config.strategy.pipeline.microbatches = 0
+  config.strategy.pipeline.repeats = 1
+  config.strategy.pipeline.remat = False
   # sharded_ensemble: devices on the (ensemble, data) mesh axes; members are
   # split over 'ensemble' (ensemble_size must be a multiple of it), each
   # member's batch over 'data'. -1 takes the remaining devices.

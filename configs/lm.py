@@ -11,6 +11,16 @@ Layouts (all `sharded_data_parallel`; only the mesh and the rule table change):
 - `data_tensor`: a 2 x (devices/2) mesh, batch over `data`, tensor parallel
   over `model`.
 - `fsdp_tensor`: `data_tensor` plus `embed -> data`.
+
+Pipeline layouts (`strategies/pipeline.py`): a `stage` mesh axis and the rule
+`layer -> stage` put the decoder blocks' stages on their own devices; the batch
+runs through them in `config.strategy.pipeline.microbatches` pieces.
+
+- `pipeline`: 2 data x 4 stages, GPipe, 4 layers, 8 microbatches.
+- `pipeline_circular`: 2 data x 4 stages, circular with 2 repeats (8 layers: stage
+  `s` holds layers `s` and `s + 4`), 8 microbatches.
+- `pipeline_fsdp`: `pipeline` with `embed -> data` (weights sharded within a stage).
+- `pipeline_tensor`: 2 data x 2 stages x 2 model, tensor parallel within a stage.
 """
 
 import ml_collections
@@ -35,6 +45,18 @@ LAYOUTS = {
     "tensor_parallel": ((1, -1), ("data", "model"), rules(**_TENSOR)),
     "data_tensor": ((2, -1), ("data", "model"), rules(**_TENSOR)),
     "fsdp_tensor": ((2, -1), ("data", "model"), rules(embed="data", **_TENSOR)),
+    "pipeline": ((2, -1), ("data", "stage"), rules(layer="stage")),
+    "pipeline_circular": ((2, -1), ("data", "stage"), rules(layer="stage")),
+    "pipeline_fsdp": ((2, -1), ("data", "stage"), rules(layer="stage", embed="data")),
+    "pipeline_tensor": ((2, 2, -1), ("data", "stage", "model"),
+                        rules(layer="stage", **_TENSOR)),
+}
+#: The pipeline layouts' layers and `config.strategy.pipeline` fields.
+PIPELINES = {
+    "pipeline": dict(num_layers=4, microbatches=8),
+    "pipeline_circular": dict(num_layers=8, microbatches=8, repeats=2),
+    "pipeline_fsdp": dict(num_layers=4, microbatches=8),
+    "pipeline_tensor": dict(num_layers=4, microbatches=4),
 }
 
 
@@ -59,4 +81,8 @@ def get_config(layout: str = "data_parallel") -> ml_collections.ConfigDict:
   config.strategy.mesh_shape = mesh_shape
   config.strategy.mesh_axes = mesh_axes
   config.strategy.logical_axis_rules = rules
+  if layout in PIPELINES:
+    fields = dict(PIPELINES[layout])
+    config.model.num_layers = fields.pop("num_layers")
+    config.strategy.pipeline.update(fields)
   return config

@@ -6,9 +6,10 @@ axis annotations at most, never device or mesh knowledge.
 
 from models import nnx_models
 from models.cnn import CNN
+from models.layer_stack import LayerStack, NnxLayerStack
 from models.mlp import MLP, DotReluDot
 from models.resnet import ResNet, ResNetBlock
 from models.transformer import DecoderBlock, TransformerLM
 
-__all__ = ["CNN", "MLP", "DecoderBlock", "DotReluDot", "ResNet", "ResNetBlock", "TransformerLM",
-           "nnx_models"]
+__all__ = ["CNN", "MLP", "DecoderBlock", "DotReluDot", "LayerStack", "NnxLayerStack", "ResNet",
+           "ResNetBlock", "TransformerLM", "nnx_models"]

@@ -1,7 +1,7 @@
 """A small decoder-only transformer language model annotated with logical axes.
 
 Every weight names its dimensions (`vocab`, `embed`, `heads`, `kv`, `mlp`,
-and `layer` from `nn.scan`); activations carry `batch`/`length`-first
+and `layer` from the `LayerStack`); activations carry `batch`/`length`-first
 constraints. A rule table decides the layout: `batch -> data` is data
 parallelism, adding `embed -> data` shards weights and optimizer state over
 the data axis (FSDP), `heads/mlp/vocab -> model` is tensor parallelism. With
@@ -12,6 +12,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from models.layer_stack import LayerStack
+
 _init = nn.initializers.normal(stddev=0.02)
 
 
@@ -20,14 +22,14 @@ def _param(init, names: tuple[str, ...]):
 
 
 class DecoderBlock(nn.Module):
-  """Pre-norm causal self-attention and MLP; `(x, None) -> (x, None)` for `nn.scan`."""
+  """Pre-norm causal self-attention and MLP, `x -> x`: one layer of a `LayerStack`."""
 
   num_heads: int
   head_dim: int
   mlp_dim: int
 
   @nn.compact
-  def __call__(self, x: jax.Array, _=None) -> tuple[jax.Array, None]:
+  def __call__(self, x: jax.Array) -> jax.Array:
     embed = x.shape[-1]
     norm = lambda name: nn.LayerNorm(  # noqa: E731 -- two identical norms.
         name=name, scale_init=_param(nn.initializers.ones, ("embed",)),
@@ -55,7 +57,7 @@ class DecoderBlock(nn.Module):
     h = nn.with_logical_constraint(nn.gelu(h), ("batch", "length", "mlp"))
     out = nn.Dense(embed, use_bias=False, name="wo",
                    kernel_init=_param(_init, ("mlp", "embed")))(h)
-    return nn.with_logical_constraint(x + out, ("batch", "length", "embed")), None
+    return nn.with_logical_constraint(x + out, ("batch", "length", "embed"))
 
 
 class TransformerLM(nn.Module):
@@ -63,7 +65,8 @@ class TransformerLM(nn.Module):
 
   Attributes:
     vocab_size: number of token ids.
-    num_layers: decoder blocks, stacked with `nn.scan` on a `layer` axis.
+    num_layers: decoder blocks, a `LayerStack` (a scan over a `layer` axis, or pipeline
+      stages under a strategy with a `stage` mesh axis).
     embed_dim, num_heads, head_dim, mlp_dim: widths (`embed`, `heads`, `kv`, `mlp`).
     max_len: the longest sequence the learned position embedding covers.
   """
@@ -86,10 +89,8 @@ class TransformerLM(nn.Module):
     positions = self.param("position_embedding", _param(_init, ("length", "embed")),
                            (self.max_len, self.embed_dim))
     x = nn.with_logical_constraint(x + positions[:length], ("batch", "length", "embed"))
-    blocks = nn.scan(
-        DecoderBlock, length=self.num_layers, variable_axes={"params": 0},
-        split_rngs={"params": True}, metadata_params={nn.PARTITION_NAME: "layer"})
-    x, _ = blocks(self.num_heads, self.head_dim, self.mlp_dim, name="blocks")(x, None)
+    block = dict(num_heads=self.num_heads, head_dim=self.head_dim, mlp_dim=self.mlp_dim)
+    x = LayerStack(DecoderBlock, self.num_layers, block, name="blocks")(x)
     x = nn.LayerNorm(name="final_norm", scale_init=_param(nn.initializers.ones, ("embed",)),
                      bias_init=_param(nn.initializers.zeros, ("embed",)))(x)
     logits = nn.Dense(self.vocab_size, use_bias=False, name="logits",

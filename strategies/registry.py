@@ -7,6 +7,7 @@ from collections.abc import Callable
 import jax
 import ml_collections
 
+from strategies import pipeline
 from strategies.base import Strategy
 
 _FACTORIES: dict[str, Callable[[ml_collections.ConfigDict], Strategy]] = {}
@@ -62,4 +63,6 @@ def create_strategy(config: ml_collections.ConfigDict) -> Strategy:
         f"config.strategy.name={name!r} is not a registered strategy; "
         f"choose one of: {', '.join(available())}.")
   check_processes(_CLASSES[name])  # Before the strategy's own checks of device counts.
+  if not getattr(_CLASSES[name], "pipelines", False):
+    pipeline.check_unused(config)
   return _FACTORIES[name](config)

@@ -18,6 +18,7 @@ import ml_collections
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from strategies import layout
+from strategies import pipeline as pipelining
 from strategies.base import InitFn, PyTree, StepFn, Strategy
 from strategies.layout import LogicalRules, check_rules  # noqa: F401 -- their old home.
 from strategies.mesh import GlobalMeshBatch
@@ -74,9 +75,17 @@ class ShardedDataParallel(GlobalMeshBatch, Strategy):
   Parameters are laid out by their annotations in both (`strategies.layout`):
   logical names through the rule table, mesh axis names as written.
 
+  A mesh axis named `stage` pipelines the model's layer stack over it
+  (`strategies.pipeline`; the rule `("layer", "stage")` puts each stage's layers on
+  its devices), with `pipeline` (`config.strategy.pipeline`) choosing the
+  microbatches, repeats and remat.
+
   On a multi-process run the mesh holds every process's devices (in process
   order, so each process feeds a consecutive block of the batch rows).
   """
+
+  #: A `stage` mesh axis pipelines the model's layer stack (`strategies.pipeline`).
+  pipelines = True
 
   @property
   def num_devices(self) -> int:
@@ -85,7 +94,8 @@ class ShardedDataParallel(GlobalMeshBatch, Strategy):
 
   def __init__(self, mesh_shape: Sequence[int], mesh_axes: Sequence[str],
                logical_axis_rules: Sequence, devices: Sequence[jax.Device] | None = None, *,
-               axis_types: str = "auto", max_replicated_mb: float = 0):
+               axis_types: str = "auto", max_replicated_mb: float = 0,
+               pipeline: dict | None = None):
     devices = list(devices or jax.devices())
     shape = resolve_mesh_shape(mesh_shape, mesh_axes, len(devices))
     if axis_types not in AXIS_TYPES:
@@ -101,12 +111,21 @@ class ShardedDataParallel(GlobalMeshBatch, Strategy):
                               axis_types=(AXIS_TYPES[axis_types],) * len(shape), devices=devices)
     self.batch_spec = nn.logical_to_mesh_axes(("batch",), self.rules)
     self._batch_sharding = NamedSharding(self.mesh, self.batch_spec)
+    #: The layer stack's pipeline over the `stage` axis, or None (no such axis).
+    self.pipeline = pipelining.from_mesh(
+        dict(self.mesh.shape), self.rules, self.batch_axes, axis_types, **(pipeline or {}))
 
   @classmethod
   def from_config(cls, config: ml_collections.ConfigDict) -> ShardedDataParallel:
     return cls(config.strategy.mesh_shape, config.strategy.mesh_axes,
                config.strategy.logical_axis_rules, axis_types=config.strategy.axis_types,
-               max_replicated_mb=config.strategy.max_replicated_mb)
+               max_replicated_mb=config.strategy.max_replicated_mb,
+               pipeline=pipelining.config_fields(config))
+
+  def check_batch_size(self, global_batch_size: int) -> None:
+    super().check_batch_size(global_batch_size)
+    if self.pipeline is not None:
+      self.pipeline.check_batch(global_batch_size, self.pipeline.data_shards)
 
   @property
   def batch_axes(self) -> tuple[str, ...]:
@@ -130,7 +149,8 @@ class ShardedDataParallel(GlobalMeshBatch, Strategy):
         yield
       return
     with jax.set_mesh(self.mesh), nn.logical_axis_rules(
-        layout.with_mesh_axes(self.rules, self.mesh.axis_names)):
+        layout.with_mesh_axes(self.rules, self.mesh.axis_names)), pipelining.active(
+            self.pipeline):
       yield
 
   def state_shardings(self, abstract_state: PyTree) -> PyTree:
@@ -142,6 +162,8 @@ class ShardedDataParallel(GlobalMeshBatch, Strategy):
     """
     layout.check_layout(abstract_state, self.rules, dict(self.mesh.shape), self.batch_axes,
                         max_replicated_mb=self.max_replicated_mb)
+    if self.pipeline is not None:
+      self.pipeline.check_state(abstract_state)
     return jax.tree.map(lambda spec: NamedSharding(self.mesh, spec),
                         layout.mesh_specs(abstract_state, self.rules, self.mesh.axis_names),
                         is_leaf=lambda x: isinstance(x, PartitionSpec))
@@ -208,4 +230,5 @@ class ShardedDataParallel(GlobalMeshBatch, Strategy):
   def describe(self) -> str:
     mesh = ", ".join(f"{a}={n}" for a, n in self.mesh.shape.items())
     return (f"{self.name}: {self.axis_types} mesh ({mesh}), batch {self.batch_spec}, "
-            f"{self.num_data_replicas} data replica(s), rules {self.rules}")
+            f"{self.num_data_replicas} data replica(s), rules {self.rules}"
+            + (f"; {self.pipeline.describe()}" if self.pipeline else ""))

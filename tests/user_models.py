@@ -286,3 +286,69 @@ class MiniGptTrainer(Trainer):
 
   def loss(self, logits, batch):
     return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean(-1)
+
+
+# -- A decoder whose blocks are one NNX layer stack (Flax's NNX "scan over layers") -------------
+
+
+class StackedBlock(nnx.Module):
+  """Pre-norm attention (`nnx.Einsum` projections, as Flax's Gemma example writes them) and
+  an MLP, with dropout; weights named by logical axes."""
+
+  def __init__(self, embed: int, heads: int, mlp: int, dropout: float, *, rngs: nnx.Rngs):
+    init = nnx.initializers.xavier_uniform()
+    head_dim = embed // heads
+
+    def project(spec, shape, names):
+      return nnx.Einsum(spec, shape, kernel_init=nnx.with_partitioning(init, names), rngs=rngs)
+
+    self.norm1 = nnx.LayerNorm(embed, rngs=rngs)
+    self.query, self.key, self.value = (
+        project("BTD,DNH->BTNH", (embed, heads, head_dim), ("embed", "heads", "kv"))
+        for _ in range(3))
+    self.out = project("BTNH,NHD->BTD", (heads, head_dim, embed), ("heads", "kv", "embed"))
+    self.norm2 = nnx.LayerNorm(embed, rngs=rngs)
+    self.up = nnx.Linear(embed, mlp, kernel_init=nnx.with_partitioning(init, ("embed", "mlp")),
+                         rngs=rngs)
+    self.down = nnx.Linear(mlp, embed, kernel_init=nnx.with_partitioning(init, ("mlp", "embed")),
+                           rngs=rngs)
+    self.dropout = nnx.Dropout(dropout, rngs=rngs)
+
+  def __call__(self, x):
+    y = self.norm1(x)
+    mask = nnx.make_causal_mask(jnp.ones(x.shape[:2]))
+    attended = nnx.dot_product_attention(self.query(y), self.key(y), self.value(y), mask=mask)
+    x = x + self.dropout(self.out(attended))
+    return x + self.dropout(self.down(nnx.gelu(self.up(self.norm2(x)))))
+
+
+class StackedDecoder(nnx.Module):
+  """Embeddings, an `NnxLayerStack` of `StackedBlock`s, a final norm and a vocabulary head."""
+
+  def __init__(self, vocab: int = 32, embed: int = 16, heads: int = 4, mlp: int = 32,
+               layers: int = 4, max_len: int = 16, dropout: float = 0.0, *, rngs: nnx.Rngs):
+    normal = nnx.initializers.normal(0.02)
+    self.tokens = nnx.Embed(vocab, embed, embedding_init=nnx.with_partitioning(
+        normal, ("vocab", "embed")), rngs=rngs)
+    self.positions = nnx.Param(normal(rngs.params(), (max_len, embed)))
+    self.blocks = models.NnxLayerStack(
+        lambda rngs: StackedBlock(embed, heads, mlp, dropout, rngs=rngs), layers, rngs=rngs)
+    self.norm = nnx.LayerNorm(embed, rngs=rngs)
+    self.head = nnx.Linear(embed, vocab, use_bias=False, kernel_init=nnx.with_partitioning(
+        nnx.initializers.xavier_uniform(), ("embed", "vocab")), rngs=rngs)
+
+  def __call__(self, tokens):
+    x = self.tokens(tokens) + self.positions[: tokens.shape[1]][None]
+    return self.head(self.norm(self.blocks(x)))
+
+
+class StackedDecoderTrainer(Trainer):
+  input_key, target_key = "inputs", "targets"
+  rng_streams = ("dropout",)
+  dropout = 0.0
+
+  def build_model(self):
+    return functools.partial(StackedDecoder, dropout=self.dropout)
+
+  def loss(self, logits, batch):
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean(-1)
