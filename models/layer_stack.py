@@ -55,9 +55,9 @@ class LayerStack(nn.Module):
     def body(block, carry, _):
       return block(carry), None
 
-    scan = nn.scan(body, variable_axes={"params": 0}, split_rngs={"params": True,
-                                                                  "dropout": True},
-                   length=self.length, metadata_params={nn.PARTITION_NAME: LAYER})
+    # Every collection stacked (BatchNorm's statistics too), every RNG stream split per layer.
+    scan = nn.scan(body, variable_axes={True: 0}, split_rngs={True: True}, length=self.length,
+                   metadata_params={nn.PARTITION_NAME: LAYER})
     block = self.block(**self.kwargs, parent=None)
     block = block.clone(parent=self, name="layer")
     nn.share_scope(self, block)  # Its parameters are the stack's own: no extra level.

@@ -47,6 +47,8 @@ LAYER = "layer"
 
 _CURRENT: contextvars.ContextVar[Pipeline | None] = contextvars.ContextVar(
     "pipeline", default=None)
+#: The layer stacks pipelined while a step is traced (`requiring_stack`).
+_RUNS: contextvars.ContextVar[list | None] = contextvars.ContextVar("pipeline_runs", default=None)
 
 
 class PipelineError(ValueError):
@@ -192,6 +194,8 @@ class Pipeline:
       x: activations with a leading batch axis (a pytree).
     """
     S, M, R = self.stages, self.microbatches, self.repeats
+    if (runs := _RUNS.get()) is not None:
+      runs.append(self)
     num_layers = jax.tree.leaves(stacked)[0].shape[0]
     per = self.check_layers(num_layers)
     batch = jax.tree.leaves(x)[0].shape[0]
@@ -268,7 +272,9 @@ def config_fields(config) -> dict:
 
 
 def check_unused(config) -> None:
-  """Raises if `config.strategy.pipeline` is set for a strategy that cannot pipeline.
+  """Raises if `config.strategy.pipeline` is set for an ensemble strategy (a sweep): its
+  members split the devices between them, and a member's layers are not pipelined. (The
+  other one-model strategies run the stack as a scan, as the reference a pipeline equals.)
 
   Raises:
     PipelineError: naming the field, the strategy and the one that pipelines.
@@ -277,10 +283,10 @@ def check_unused(config) -> None:
     if value != DEFAULTS[name]:
       raise PipelineError(
           f"config.strategy.pipeline.{name}={value!r} is set, but "
-          f"config.strategy.name={config.strategy.name!r} does not pipeline: pipelines run "
-          f"under 'sharded_data_parallel' with a {STAGE_AXIS!r} mesh axis (an ensemble's "
-          f"members already split the devices; a pmap step is one device's). Leave it at "
-          f"{DEFAULTS[name]!r}, or switch strategy.")
+          f"config.strategy.name={config.strategy.name!r} trains an ensemble, whose members "
+          f"split the devices between them: a member's layers are not pipelined over "
+          f"stages. Pipelines run under 'sharded_data_parallel' with a {STAGE_AXIS!r} mesh "
+          f"axis; leave it at {DEFAULTS[name]!r} for an ensemble or sweep.")
 
 
 def from_mesh(mesh_shape: dict[str, int], rules, batch_axes: tuple[str, ...],
@@ -325,6 +331,31 @@ def from_mesh(mesh_shape: dict[str, int], rules, batch_axes: tuple[str, ...],
                   remat=bool(remat), axis=STAGE_AXIS if stages > 1 else None,
                   batch_axes=tuple(batch_axes),
                   data_shards=math.prod(mesh_shape[a] for a in batch_axes))
+
+
+def requiring_stack(pipeline: Pipeline, fn: Callable) -> Callable:
+  """`fn` (a step), raising while it is traced if it pipelines no layer stack.
+
+  A model whose layers carry the `layer` name from its own `nn.scan` or loop passes the
+  parameter check, but nothing would be pipelined: its layers would only be stored by
+  stage and gathered for every use.
+  """
+  def traced(*args):
+    token = _RUNS.set([])
+    try:
+      out = fn(*args)
+      ran = _RUNS.get()
+    finally:
+      _RUNS.reset(token)
+    if not ran:
+      raise PipelineError(
+          f"the mesh has a {pipeline.axis or STAGE_AXIS!r} axis, but the step ran no layer "
+          f"stack: parameters named {LAYER!r} by the model's own nn.scan (or a loop) are "
+          f"not pipelined. Mark the repeated layers with models.layer_stack.LayerStack "
+          f"(Linen) or NnxLayerStack (NNX).")
+    return out
+
+  return traced
 
 
 def current() -> Pipeline | None:

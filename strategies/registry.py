@@ -9,6 +9,7 @@ import ml_collections
 
 from strategies import pipeline
 from strategies.base import Strategy
+from strategies.capabilities import Ensemble
 
 _FACTORIES: dict[str, Callable[[ml_collections.ConfigDict], Strategy]] = {}
 _CLASSES: dict[str, type[Strategy]] = {}
@@ -63,6 +64,6 @@ def create_strategy(config: ml_collections.ConfigDict) -> Strategy:
         f"config.strategy.name={name!r} is not a registered strategy; "
         f"choose one of: {', '.join(available())}.")
   check_processes(_CLASSES[name])  # Before the strategy's own checks of device counts.
-  if not getattr(_CLASSES[name], "pipelines", False):
-    pipeline.check_unused(config)
+  if issubclass(_CLASSES[name], Ensemble):
+    pipeline.check_unused(config)  # The one-model strategies run the stack as a scan.
   return _FACTORIES[name](config)

@@ -160,10 +160,10 @@ class ShardedDataParallel(GlobalMeshBatch, Strategy):
       ValueError: the rule table would lay a parameter out other than meant
         (`layout.check_layout`).
     """
-    layout.check_layout(abstract_state, self.rules, dict(self.mesh.shape), self.batch_axes,
-                        max_replicated_mb=self.max_replicated_mb)
     if self.pipeline is not None:
       self.pipeline.check_state(abstract_state)
+    layout.check_layout(abstract_state, self.rules, dict(self.mesh.shape), self.batch_axes,
+                        max_replicated_mb=self.max_replicated_mb)
     return jax.tree.map(lambda spec: NamedSharding(self.mesh, spec),
                         layout.mesh_specs(abstract_state, self.rules, self.mesh.axis_names),
                         is_leaf=lambda x: isinstance(x, PartitionSpec))
@@ -210,13 +210,18 @@ class ShardedDataParallel(GlobalMeshBatch, Strategy):
     call.lower, call.trace = lower, trace
     return call
 
+  def _pipelined(self, fn: StepFn) -> StepFn:
+    return fn if self.pipeline is None else pipelining.requiring_stack(self.pipeline, fn)
+
   def compile_train_step(self, step_fn: StepFn, state: PyTree) -> StepFn:
+    step_fn = self._pipelined(step_fn)
     state_sh = jax.tree.map(lambda x: x.sharding, state)
     replicated = NamedSharding(self.mesh, PartitionSpec())
     return self._compile(step_fn, in_shardings=(state_sh, self._batch_sharding),
                          out_shardings=(state_sh, replicated), donate_argnums=0)
 
   def compile_train_chunk(self, chunk_fn: StepFn, state: PyTree) -> StepFn:
+    chunk_fn = self._pipelined(chunk_fn)
     state_sh = jax.tree.map(lambda x: x.sharding, state)
     replicated = self._replicated_sharding
     return self._compile(chunk_fn, in_shardings=(state_sh, self._stacked_batch_sharding,

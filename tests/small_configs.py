@@ -6,9 +6,11 @@ from configs import lm
 
 
 def tiny_lm_config(layout: str = "data_parallel", **overrides) -> ml_collections.ConfigDict:
-  """configs/lm.py:<layout> with a 2-layer, 32-wide transformer on 16-token sequences."""
+  """configs/lm.py:<layout> with a 2-layer (a pipeline layout: its own count), 32-wide
+  transformer on 16-token sequences."""
   config = lm.get_config(layout)
-  config.model.update(num_layers=2, embed_dim=32, num_heads=8, head_dim=4, mlp_dim=64,
+  layers = lm.PIPELINES.get(layout, {}).get("num_layers", 2)
+  config.model.update(num_layers=layers, embed_dim=32, num_heads=8, head_dim=4, mlp_dim=64,
                       vocab_size=32, max_len=16)
   config.seq_len = 16
   config.batch_size = 16

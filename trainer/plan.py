@@ -22,8 +22,9 @@ no step runs. It prints per device the parameter, optimizer-state and other
 state bytes (from the shardings), the compiled step's argument, temporary
 (activations and workspace) and output bytes (`compiled.memory_analysis()`), its
 FLOPs (`compiled.cost_analysis()`), the collectives in its HLO, and the layout of
-the largest parameters; then compares the peak with one device's memory (the
-`--device` row of `trainer.throughput.MEMORY_GIB`, or `--memory_gib`) and says
+the largest parameters (with a `stage` mesh axis, also the pipeline's schedule, its
+bubble fraction and which layers each stage runs); then compares the peak with one
+device's memory (the `--device` row of `trainer.throughput.MEMORY_GIB`, or `--memory_gib`) and says
 whether the run fits. The compiled program is the CPU backend's: a GPU or TPU
 compiler fuses and schedules differently, so its temporaries are an estimate.
 
@@ -60,6 +61,8 @@ class Plan:
     collectives: op name -> count in the optimised HLO.
     largest: `(path, shape, PartitionSpec, bytes on one device)` of the largest parameters.
     device_memory: the memory compared against (None: not compared).
+    pipeline: the pipeline's schedule and bubble, and which layers each stage runs
+      (empty without a `stage` axis).
   """
 
   strategy: str
@@ -75,6 +78,7 @@ class Plan:
   collectives: dict[str, int]
   largest: list[tuple[str, tuple[int, ...], Any, int]]
   device_memory: int | None = None
+  pipeline: tuple[str, ...] = ()
 
   @property
   def peak_bytes(self) -> int:
@@ -100,6 +104,8 @@ class Plan:
         "  collectives       " + (", ".join(f"{n} x{c}" for n, c in self.collectives.items())
                                  or "none"),
         "  largest parameters:"]
+    if self.pipeline:
+      lines[1:1] = [f"  {self.pipeline[0]}"] + [f"    {line}" for line in self.pipeline[1:]]
     for path, shape, spec, size in self.largest:
       lines.append(f"    {path} {shape} {spec} -> {mib(size)} per device")
     if self.device_memory is not None:
@@ -157,6 +163,10 @@ def make_plan(trainer: Any, example_batch: dict[str, np.ndarray], *,
               shard_bytes(x)) for path, x in jax.tree_util.tree_leaves_with_path(abstract.params)]
   largest.sort(key=lambda row: -math.prod(row[1]))
   params_bytes, opt_bytes = _sum(abstract.params), _sum(abstract.opt_state)
+  pipeline = getattr(strategy, "pipeline", None)
+  stages = ()
+  if pipeline is not None:
+    stages = (pipeline.describe(), *pipeline.layout_lines(pipeline.check_state(abstract)))
   return Plan(
       strategy=strategy.describe(), num_devices=strategy.num_devices,
       params_bytes=params_bytes, opt_state_bytes=opt_bytes,
@@ -165,7 +175,7 @@ def make_plan(trainer: Any, example_batch: dict[str, np.ndarray], *,
       output_bytes=int(memory.output_size_in_bytes), temp_bytes=int(memory.temp_size_in_bytes),
       alias_bytes=int(memory.alias_size_in_bytes), flops=float((cost or {}).get("flops", 0.0)),
       collectives=count_collectives(compiled.as_text()), largest=largest[:top],
-      device_memory=device_memory)
+      device_memory=device_memory, pipeline=stages)
 
 
 def device_memory_bytes(device: str | None, memory_gib: float | None) -> int | None:
