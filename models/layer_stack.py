@@ -19,8 +19,9 @@ strategy's pipeline (`strategies/pipeline.py`).
 What a stack can hold when pipelined: parameters and RNG streams (dropout), nothing
 that a layer updates across steps (BatchNorm's statistics, a cache): those are
 refused, naming the variable. Every parameter in the stack gets `layer` as the name
-of its leading axis (Linen: from `nn.scan`'s metadata where the block annotates it;
-an unannotated Linen parameter is refused when pipelined; NNX: added here).
+of its leading axis (NNX: added here; Linen: from `nn.scan`'s metadata where the block
+annotates the parameter; a Linen parameter the block leaves unannotated is stored whole
+on every stage, and still pipelined).
 """
 
 from __future__ import annotations
@@ -78,16 +79,6 @@ class LayerStack(nn.Module):
             f"each stage sees microbatches, not the batch. Move that layer out of the stack, "
             f"or train without a 'stage' mesh axis.")
     params = self.variables.get("params", {})
-    for keypath, leaf in jax.tree_util.tree_leaves_with_path(
-        params, is_leaf=lambda v: isinstance(v, nn.meta.AxisMetadata)):
-      names = getattr(leaf, "names", None)
-      if not names or names[0] != LAYER:
-        name = "/".join(str(getattr(k, "key", k)) for k in keypath)
-        raise PipelineError(
-            f"parameter {path}/{name} of the layer stack has no {LAYER!r} axis name, so the "
-            f"strategy cannot put its layers on their stages: annotate it "
-            f"(nn.with_logical_partitioning(init, names)) and the stack names its leading "
-            f"axis {LAYER!r}.")
     streams = sorted(name for name in self.scope.rngs if name != "params")
     layer_keys = {name: jax.random.split(self.make_rng(name), self.length) for name in streams}
     block = self.block(**self.kwargs, parent=None)

@@ -267,8 +267,9 @@ DEFAULTS = {"microbatches": 0, "repeats": 1, "remat": False}
 
 def config_fields(config) -> dict:
   """`config.strategy.pipeline` as keyword arguments of `from_mesh`."""
-  fields = config.strategy.get("pipeline") or {}
-  return {name: fields.get(name, default) for name, default in DEFAULTS.items()}
+  fields = config.strategy.pipeline
+  return {"microbatches": fields.microbatches, "repeats": fields.repeats,
+          "remat": fields.remat}
 
 
 def check_unused(config) -> None:

@@ -69,6 +69,8 @@ FEW_STEPS = {
     "trainer.plan": [],  # Compiles one step abstractly: seconds as written.
     "benchmarks/remat.py": ["--rounds", "1", "--block-seconds", "0", "--layers", "2", "--seq",
                             "32", "--batch", "4", "--variants", "blocks/nothing"],
+    "benchmarks/pipeline.py": ["--steps", "1", "--batch", "16", "--embed", "32", "--seq", "16",
+                               "--rows", "dp,gpipe_m4"],
 }
 
 #: What a script's standard output shows when it did its job.
@@ -90,6 +92,7 @@ EXPECTED_OUTPUT = {
                              r"\d+\.\d{3}\s+\S+\s+\d+\.\d%"),
     "trainer.plan": r"^  (fits|does NOT fit): peak [\d,.]+ MiB of",
     "benchmarks/remat.py": r"^blocks/nothing\s+\d+\.\d\s+\d\.\d{2}x\s+\d+\.\d{4}\s+\d+\.\d{3}x",
+    "benchmarks/pipeline.py": r"^gpipe_m4\s+\d+\.\d{4}\s+\d+\.\d{2}x\s+42\.9%\s+\d",
 }
 
 

@@ -71,8 +71,9 @@ LM_CASES = {
     "2 data x 2 stages x 2 model (tensor parallel)": ("pipeline_tensor", {}),
     "fsdp within stages, stages rematerialised": ("pipeline_fsdp", {
         "strategy.pipeline.remat": True}),
-    "with 2 accumulation steps and 2 steps per call": ("pipeline", {
-        "grad_accum_steps": 2, "steps_per_call": 2, "strategy.pipeline.microbatches": 4}),
+    "with 2 accumulation steps, 2 steps per call and an EMA": ("pipeline", {
+        "grad_accum_steps": 2, "steps_per_call": 2, "strategy.pipeline.microbatches": 4,
+        "ema_decay": 0.5}),
 }
 
 
@@ -278,6 +279,44 @@ def _equations(jaxpr):
 # -- Refused before compiling -------------------------------------------------------------------
 
 
+class DenseBlock(nn.Module):
+  """A residual Dense layer; its kernel annotated, its bias not (as many Linen models do)."""
+
+  @nn.compact
+  def __call__(self, x):
+    return x + nn.tanh(nn.Dense(x.shape[-1], kernel_init=nn.with_logical_partitioning(
+        nn.initializers.lecun_normal(), ("embed", "mlp")))(x))
+
+
+class DenseStackTrainer(Trainer):
+  input_key, target_key = "inputs", "targets"
+
+  def build_model(self):
+    return _DenseStackModel()
+
+  def loss(self, outputs, batch):
+    return jnp.mean((outputs - batch["targets"]) ** 2, axis=-1)
+
+
+class _DenseStackModel(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    return models.LayerStack(DenseBlock, 4, name="blocks")(x)
+
+
+def test_a_linen_stack_with_unannotated_biases_is_pipelined_like_a_single_device():
+  batches = _vectors(STEPS)
+  single = DenseStackTrainer(nnx_config(**{"strategy.name": "single_device"}))
+  want = canonical(single, fit(single, batches))
+  chaos = numerics.chaos_fits(single, batches, num_steps=STEPS,
+                              view=lambda state: canonical(single, state))
+  piped = DenseStackTrainer(nnx_config(**NNX_PIPE))
+  state = fit(piped, batches)
+  assert state.params["blocks"]["Dense_0"]["kernel"].value.sharding.spec[0] == "stage"
+  assert state.params["blocks"]["Dense_0"]["bias"].shape == (4, 8)  # Whole on every stage.
+  numerics.assert_equivalent(canonical(piped, state), want, chaos)
+
+
 class BatchNormBlock(nn.Module):
   train: bool = True
 
@@ -306,10 +345,10 @@ class _BatchNormStackModel(nn.Module):
     return models.LayerStack(BatchNormBlock, 4, {"train": self.train}, name="blocks")(x)
 
 
-def _vectors():
+def _vectors(num=1):
   rng = np.random.default_rng(0)
   return [{"inputs": rng.normal(size=(16, 8)).astype(np.float32),
-           "targets": rng.normal(size=(16, 8)).astype(np.float32)}]
+           "targets": rng.normal(size=(16, 8)).astype(np.float32)} for _ in range(num)]
 
 
 def test_a_batchnorm_inside_a_pipelined_stack_is_refused_and_runs_unpipelined():
