@@ -219,7 +219,11 @@ class Pipeline:
 
     def stage_fn(w, h, r, m):
       """One stage runs its group of repeat `r` on microbatch `m`'s activations `h`."""
-      group = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, r, 0, keepdims=False), w)
+      if R == 1:  # GPipe: the one group, no per-iteration gather (nor a saved copy of it).
+        group = jax.tree.map(lambda a: a[0], w)
+      else:
+        group = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, r, 0, keepdims=False),
+                             w)
       h, _ = jax.lax.scan(lambda h, p: (layer_fn(p, h, m), None), h, group)
       return h
 

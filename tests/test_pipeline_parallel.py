@@ -106,6 +106,23 @@ def test_each_stage_holds_its_own_layers_and_the_activations_move_by_permutes():
   assert "stage 0: layers 0, 4" in report and "stage 3: layers 3, 7" in report
 
 
+def test_with_remat_a_stage_holds_a_boundary_per_microbatch_not_its_activations():
+  # Microbatches of a fixed size (4 rows): 4 of them, then 16. GPipe keeps every layer's
+  # activations of every microbatch; with remat a stage keeps its input per microbatch.
+  temp = {}
+  for remat in (False, True):
+    for microbatches in (4, 16):
+      config = lm_config(**{"strategy.pipeline.microbatches": microbatches,
+                            "strategy.pipeline.remat": remat, "batch_size": 4 * microbatches})
+      trainer = LanguageModelTrainer(config)
+      temp[remat, microbatches] = make_plan(trainer, token_batches(config, 1)[0]).temp_bytes
+  gpipe_growth = temp[False, 16] - temp[False, 4]
+  remat_growth = temp[True, 16] - temp[True, 4]
+  assert gpipe_growth > 0
+  assert remat_growth < 0.5 * gpipe_growth, temp
+  assert temp[True, 16] < temp[False, 4], temp
+
+
 def test_pipeline_bubble_and_stage_layout():
   gpipe = Pipeline(stages=4, microbatches=8)
   assert gpipe.bubble_fraction == pytest.approx(3 / 11)  # (S - 1) / (M + S - 1).
