@@ -12,12 +12,14 @@ microbatches. Memory is the dry run's (`trainer.plan.make_plan`: the compiled st
 arguments, temporaries and outputs on the fullest device); time is the mean of `--steps`
 steps after compiling and two warm-up steps.
 
-What a CPU can show: the schedule's bubble and the stage-to-stage permutes in the compiled
-program, how activation memory changes with microbatches and remat, and the per-device
-parameter and optimizer bytes. What it cannot: 8 "devices" on a CPU share its cores, so an
-idle stage frees cores for the busy ones and the bubble costs little time, and a permute is
-a memory copy; on accelerators the bubble is idle hardware and a permute crosses the
-interconnect, so step-time ratios here say nothing about a GPU or TPU pod.
+What a CPU can show: the schedule's cost in compute (in the bubble every stage still runs,
+on filler, as in MaxText's pipeline, so a step does `(M + S - 1) / M` times a stage's
+share of the work), the stage-to-stage permutes in the compiled program, how activation
+memory changes with microbatches and remat, and the per-device parameter and optimizer
+bytes. What it cannot: the 8 "devices" share the CPU's cores and memory, so a permute is a
+memory copy and nothing overlaps; on accelerators a permute crosses the interconnect (the
+reason to pipeline across slow links) and the comparison with FSDP's all-gathers turns on
+that link's speed, so these step-time ratios say nothing about a GPU or TPU pod.
 """
 
 import argparse
