@@ -49,6 +49,11 @@ class Strategy(abc.ABC):
     """How many parts the global batch is split into."""
 
   @property
+  def batch_multiple(self) -> int:
+    """What every batch a step sees must be a multiple of; eval batches are padded to it."""
+    return self.num_data_replicas
+
+  @property
   @abc.abstractmethod
   def num_devices(self) -> int:
     """How many devices a step runs on (over every process)."""

@@ -122,6 +122,13 @@ class ShardedDataParallel(GlobalMeshBatch, Strategy):
                max_replicated_mb=config.strategy.max_replicated_mb,
                pipeline=pipelining.config_fields(config))
 
+  @property
+  def batch_multiple(self) -> int:
+    """The data replicas, times the microbatches where a pipeline cuts the batch."""
+    if self.pipeline is None:
+      return self.num_data_replicas
+    return math.lcm(self.num_data_replicas, self.pipeline.microbatches * self.pipeline.data_shards)
+
   def check_batch_size(self, global_batch_size: int) -> None:
     super().check_batch_size(global_batch_size)
     if self.pipeline is not None:

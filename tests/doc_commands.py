@@ -70,7 +70,7 @@ FEW_STEPS = {
     "benchmarks/remat.py": ["--rounds", "1", "--block-seconds", "0", "--layers", "2", "--seq",
                             "32", "--batch", "4", "--variants", "blocks/nothing"],
     "benchmarks/pipeline.py": ["--steps", "1", "--batch", "16", "--embed", "32", "--seq", "16",
-                               "--rows", "dp,gpipe_m4"],
+                               "--layers", "4", "--rows", "dp,gpipe_m4"],
 }
 
 #: What a script's standard output shows when it did its job.

@@ -91,6 +91,18 @@ def test_the_lm_pipelined_trains_like_a_single_device(case, lm_reference):
                              rtol=1e-5)
 
 
+def test_eval_batches_of_any_size_are_padded_to_whole_microbatches():
+  config = lm_config(eval_batch_size=6)  # 8 microbatches x 2 data shards: padded to 16.
+  piped = LanguageModelTrainer(config)
+  assert piped.strategy.batch_multiple == 16
+  batches = token_batches(config, 2)
+  single = LanguageModelTrainer(lm_config(**{"strategy.name": "single_device",
+                                             "eval_batch_size": 6}))
+  want = single.evaluate(single.init_state(batches[0]), batches)["loss"]
+  got = piped.evaluate(piped.init_state(batches[0]), batches)["loss"]
+  np.testing.assert_allclose(got, want, rtol=1e-5)
+
+
 def test_each_stage_holds_its_own_layers_and_the_activations_move_by_permutes():
   config = lm_config("pipeline_circular", **{"model.num_layers": 8})
   trainer = LanguageModelTrainer(config)

@@ -74,8 +74,8 @@ class Evaluator:
       raise ValueError(f"config.eval_batch_size={eval_batch_size!r} must be a positive "
                        f"integer (any size: eval batches are padded to split evenly).")
     self.strategy, self.compiled, self.eval_batch_size = strategy, compiled, eval_batch_size
-    replicas = strategy.num_data_replicas
-    self._padded_size = -(-eval_batch_size // replicas) * replicas
+    unit = strategy.batch_multiple  # The data replicas (times a pipeline's microbatches).
+    self._padded_size = -(-eval_batch_size // unit) * unit
     self._traced = False
 
   def chunks(self, batch: Batch) -> Iterator[tuple[dict[str, np.ndarray], int]]:
