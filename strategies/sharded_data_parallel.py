@@ -84,9 +84,6 @@ class ShardedDataParallel(GlobalMeshBatch, Strategy):
   order, so each process feeds a consecutive block of the batch rows).
   """
 
-  #: A `stage` mesh axis pipelines the model's layer stack (`strategies.pipeline`).
-  pipelines = True
-
   @property
   def num_devices(self) -> int:
     return self.mesh.size
