@@ -13,8 +13,19 @@ import models
 from trainer.trainer import Batch, Trainer
 
 
+def language_model(family: str = "transformer", **fields):
+  """The module `config.model` describes: `models.TransformerLM(**fields)`, or with
+  `family='gpt2'` / `'llama'` the module whose weights are that Hugging Face family's
+  (`trainer.interop.families`; `trainer.interop.hf.model_fields(path)` reads a published
+  checkpoint's fields)."""
+  if family == "transformer":
+    return models.TransformerLM(**fields)
+  from trainer.interop import families
+  return families.get(family, field="config.model.family").build(fields)
+
+
 class LanguageModelTrainer(Trainer):
-  """Next-token cross-entropy; the model is `models.TransformerLM(**config.model)`.
+  """Next-token cross-entropy; the model is `language_model(**config.model)`.
 
   Batches hold `inputs` and `targets`, both `[batch, length]` token ids, the
   targets shifted one position left. A subclass may override `build_model`.
@@ -24,7 +35,7 @@ class LanguageModelTrainer(Trainer):
   target_key = "targets"
 
   def build_model(self) -> nn.Module:
-    return models.TransformerLM(**self.config.model.to_dict())
+    return language_model(**self.config.model.to_dict())
 
   def loss(self, logits: jax.Array, batch: Batch) -> jax.Array:
     per_token = optax.softmax_cross_entropy_with_integer_labels(logits, batch[self.target_key])

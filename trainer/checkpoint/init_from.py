@@ -8,7 +8,10 @@ The source is one of:
 - a plain orbax PyTree checkpoint directory (`ocp.StandardCheckpointer().save`)
   or a Flax msgpack file (`flax.serialization.to_bytes`) of a parameter tree,
   of a Linen variables dict (`{'params': ..., 'batch_stats': ...}`) or of a
-  train state with such fields.
+  train state with such fields;
+- a Hugging Face model directory (`config.json` and safetensors) or a
+  `.safetensors` file, of a family `trainer.interop.families` maps (its arrays
+  appear under this project's names and layouts, and every one must be used).
 
 Rules map the new model's variable paths to the old one's. A path is the
 `/`-joined names inside a collection (`Conv_0/kernel`, as `config.freeze`
@@ -42,7 +45,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 from flax import serialization
 
-from strategies.tree import key_name, keypath_str
+from strategies.tree import key_name, keypath_str, to_host
 from trainer.checkpoint.store import LAYOUT_ITEM, STATE_ITEM, Checkpointer, CheckpointError
 
 PyTree = Any
@@ -88,12 +91,20 @@ class Source:
       leading member axis on every array), 0 for one model.
     arrays: `{collection: {path: shape}}` of the arrays (member axis included).
     read: `{collection: [paths]} -> {collection: {path: np.ndarray}}`.
+    read_slice: `(collection, path, index) -> array[index]`, reading only that slice
+      (None: `read` the whole array, then index it).
+    complete: every array must go to a variable of the new model (an HF checkpoint: a
+      tensor left over means the mapping or the model is wrong).
+    handle: what the source keeps open (HF: its `SafetensorsFiles`), or None.
   """
 
   description: str
   num_members: int
   arrays: dict[str, dict[str, tuple[int, ...]]]
   read: Callable[[Mapping[str, list[str]]], Flat]
+  read_slice: Callable[[str, str, Any], np.ndarray] | None = None
+  complete: bool = False
+  handle: Any = None
 
 
 def _shapes(tree: PyTree) -> dict[str, tuple[int, ...]]:
@@ -194,11 +205,16 @@ def open_source(path: str, *, step: int = -1, linen: bool = True) -> Source:
     ValueError: `path` does not exist, or names a step the checkpoints lack.
     CheckpointError: it cannot be read.
   """
+  from trainer.interop import hf
+
   path = os.path.abspath(os.path.expanduser(path))
   if not os.path.exists(path):
     raise ValueError(f"config.init_from.path={path!r} does not exist; it must be a workdir, "
                      f"a checkpoints directory, a checkpoint step directory, an orbax PyTree "
-                     f"checkpoint directory or a Flax msgpack file.")
+                     f"checkpoint directory, a Flax msgpack file, or a Hugging Face model "
+                     f"directory or .safetensors file.")
+  if hf.is_hf_checkpoint(path):
+    return hf.open_source(path)
   if os.path.isfile(path):
     return _msgpack_source(path, linen=linen)
   if os.path.isdir(os.path.join(path, "checkpoints")):
@@ -245,17 +261,6 @@ class Plan:
     which = "" if self.member is None else f", member {self.member}"
     return (f"{loaded} arrays from {self.source.description}{which}; fresh: "
             f"{fresh if fresh else 'none'}")
-
-  def load(self) -> Flat:
-    """`{collection: {new path: host array}}` (member axis kept where it is member-wise)."""
-    wanted = {c: sorted(set(m.values())) for c, m in self.mapped.items() if m}
-    old = self.source.read(wanted)
-    out: Flat = {}
-    for c, m in self.mapped.items():
-      for new, old_path in m.items():
-        x = old[c][old_path]
-        out.setdefault(c, {})[new] = x if self.member is None else x[self.member]
-    return out
 
 
 def plan(config: ml_collections.ConfigDict, source: Source, new: Flat, *,
@@ -329,6 +334,15 @@ def plan(config: ml_collections.ConfigDict, source: Source, new: Flat, *,
     if not used:
       raise ValueError(f"config.init_from.fresh pattern {p!r} matches no variable of the new "
                        f"model; its paths are {all_paths}.")
+  if source.complete:
+    unused = sorted(f"{c}/{p}" if c != "params" else p for c, paths in source.arrays.items()
+                    for p in set(paths) - set(mapped.get(c, {}).values()))
+    if unused:
+      raise ValueError(
+          f"config.init_from: {len(unused)} array(s) of {source.description} go to no "
+          f"variable of the new model: {unused[:12]}; the new model's paths are "
+          f"{all_paths[:24]}. Is config.model the checkpoint's architecture "
+          f"(trainer.interop.hf.model_fields)?")
   return Plan(source, mapped, fresh, member)
 
 
@@ -352,58 +366,76 @@ def _member(member: int, source: Source, num_members: int) -> int | None:
   return None
 
 
-def merge(canonical_vars: Flat, loaded: Flat, *, num_members: int) -> Flat:
-  """The fresh canonical variables with the loaded ones put in (broadcast over members
-  where one model's values start every member)."""
-  out = {c: dict(paths) for c, paths in canonical_vars.items()}
-  for c, paths in loaded.items():
-    for p, x in paths.items():
-      fresh = out[c][p]
-      x = np.asarray(x, dtype=fresh.dtype)
-      if num_members and x.shape != fresh.shape:
-        x = np.broadcast_to(x, fresh.shape)
-      out[c][p] = x
-  return out
+def _reader(plan_: Plan, collection: str, path: str, *, num_members: int
+            ) -> Callable[[tuple], np.ndarray]:
+  """`index of the new array -> its values`: the source's slice of the old array that
+  `path` comes from, with the member axis picked or broadcast as the plan says."""
+  source, old = plan_.source, plan_.mapped[collection][path]
+  cached: dict[str, np.ndarray] = {}
 
+  def read(index):
+    if source.read_slice is not None:
+      return source.read_slice(collection, old, index)
+    if old not in cached:  # A source without slices is read whole, once.
+      cached[old] = source.read({collection: [old]})[collection][old]
+    return cached[old][tuple(index)]
 
-def replace_variables(params: PyTree, model_state: PyTree, values: Flat, *,
-                      linen: bool) -> tuple[PyTree, PyTree]:
-  """`params` and `model_state` with every leaf taken from `values` (by collection and path)."""
-  def put(tree, collection):
-    return jax.tree_util.tree_map_with_path(lambda p, _: values[collection][_name(p)], tree)
+  def sliced(index):
+    index = tuple(index)
+    if plan_.member is not None:  # Member m of a saved ensemble into each model.
+      m = plan_.member
+      if num_members:
+        x = read((slice(m, m + 1),) + index[1:])
+        return np.broadcast_to(x, (len(range(*index[0].indices(num_members))),) + x.shape[1:])
+      return read((slice(m, m + 1),) + index)[0]
+    if num_members and not source.num_members:  # One model starts every member.
+      x = read(index[1:])
+      return np.broadcast_to(x[None], (len(range(*index[0].indices(num_members))),) + x.shape)
+    return read(index)
 
-  params = put(params, "params")
-  if linen:
-    model_state = {c: put(tree, c) for c, tree in dict(model_state or {}).items()}
-  elif jax.tree.leaves(model_state):
-    model_state = put(model_state, "model_state")
-  return params, model_state
+  return sliced
 
 
 def start_from(plan_: Plan, strategy: Any, state: PyTree, abstract_state: PyTree,
-               rebuild: Callable[[PyTree], PyTree], *, linen: bool) -> PyTree:
+               rebuild: Callable[[PyTree, PyTree, jax.Array], PyTree], *,
+               linen: bool) -> PyTree:
   """The placed state of a fresh run whose variables `plan_` partly loads.
+
+  Each loaded array is made on the devices from the source's slices, one device's part
+  at a time (`jax.make_array_from_callback`), so a source that reads slices (an HF
+  checkpoint) never puts a whole sharded array on the host; the new optimizer and recipe
+  state are computed on the devices, in the strategy's layout.
 
   Args:
     state: the fresh placed state (its other variables, its RNG).
     abstract_state: one model's abstract state (the checkpoint target's shapes).
-    rebuild: `one model's state -> a fresh state from its params, model_state and rng`
-      (the optimizer's and the recipe's state start again from the loaded values).
+    rebuild: `(params, model_state, rng) -> a fresh state of one model` (the optimizer's
+      and the recipe's state start again from the loaded values).
   """
   num_members = strategy.checkpoint_layout()["num_members"]
-  canonical = strategy.to_canonical(state)
-  values = merge(variables_by_collection(canonical.params, canonical.model_state, linen=linen),
-                 plan_.load(), num_members=num_members)
-  params, model_state = replace_variables(canonical.params, canonical.model_state, values,
-                                          linen=linen)
-  device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-  merged = jax.device_put(canonical.replace(params=params, model_state=model_state), device)
-  rebuilt = jax.device_get(jax.jit(jax.vmap(rebuild) if num_members else rebuild,
-                                   out_shardings=device)(merged))
   target = strategy.checkpoint_target(abstract_state)
-  placed = jax.tree.map(
-      lambda x, t: jax.make_array_from_callback(t.shape, t.sharding,
-                                                lambda index: np.asarray(x)[index]),
-      rebuilt, target)
+  current = strategy.checkpoint_state(state)
+
+  def place(collection: str, tree: PyTree, targets: PyTree) -> PyTree:
+    def leaf(path, x, t):
+      name = _name(path)
+      if name in plan_.mapped.get(collection, {}):
+        read = _reader(plan_, collection, name, num_members=num_members)
+        return jax.make_array_from_callback(
+            t.shape, t.sharding, lambda index: np.asarray(read(index), dtype=t.dtype))
+      host = to_host(x)  # A fresh variable keeps its initial value.
+      return jax.make_array_from_callback(t.shape, t.sharding, lambda index: host[index])
+    return jax.tree_util.tree_map_with_path(leaf, tree, targets)
+
+  params = place("params", current.params, target.params)
+  if linen:
+    model_state = {c: place(c, tree, target.model_state[c])
+                   for c, tree in dict(current.model_state or {}).items()}
+  else:
+    model_state = place("model_state", current.model_state, target.model_state)
+  rng = place("rng", current.rng, target.rng)
+  fresh = jax.vmap(rebuild) if num_members else rebuild
+  shardings = jax.tree.map(lambda t: t.sharding, target)
+  rebuilt = jax.jit(fresh, out_shardings=shardings)(params, model_state, rng)
   logging.info("init_from: %s", plan_.describe())
-  return strategy.from_checkpoint(placed)
+  return strategy.from_checkpoint(rebuilt)

@@ -99,10 +99,10 @@ class States:
       self._init_members = jax.jit(jax.vmap(self.steps.init_fn(self._example)))
     return self._init_members(jnp.stack([jax.random.PRNGKey(s) for s in seeds]))
 
-  def _fresh(self, state: PyTree) -> PyTree:
-    """A new state of one model from `state`'s variables and RNG (optimizer, recipe: fresh)."""
+  def _fresh(self, params: PyTree, model_state: PyTree, rng: jax.Array) -> PyTree:
+    """A new state of one model from its variables and RNG (optimizer, recipe: fresh)."""
     return self.recipe.init_state(self.create_train_state(
-        params=state.params, model_state=state.model_state, rng=state.rng))
+        params=params, model_state=model_state, rng=rng))
 
   def abstract(self, example_batch: Batch) -> PyTree:
     """One model's state as shapes and dtypes, for batches shaped like `example_batch`."""

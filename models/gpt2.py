@@ -1,0 +1,163 @@
+"""GPT-2 (Linen), computing what Hugging Face's `GPT2LMHeadModel` computes.
+
+The weights are HF's, in this project's layouts and logical names, so a
+published GPT-2 loads through `trainer.interop.hf` (the mapping is
+`trainer.interop.families.GPT2`) and every strategy can lay it out:
+
+- `token_embedding/embedding [vocab, embed]` (tied: the head is its transpose),
+  `position_embedding [length, embed]`;
+- per layer, stacked on `layer` by a `LayerStack`: `ln_1`, `attn/c_attn/kernel
+  [embed, 3, heads, kv]` (q, k and v fused as in HF's `c_attn`), `attn/c_proj/kernel
+  [heads, kv, embed]`, `ln_2`, `mlp/c_fc/kernel [embed, mlp]`, `mlp/c_proj/kernel
+  [mlp, embed]`, each with its bias;
+- `ln_f`.
+
+Pre-norm blocks, causal attention scaled by `1/sqrt(head_dim)`, GELU's tanh
+approximation (HF's `gelu_new`), LayerNorm epsilon `layer_norm_epsilon`.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from models.layer_stack import LayerStack
+
+_init = nn.initializers.normal(stddev=0.02)
+
+
+def _param(init, names: tuple[str | None, ...]):
+  return nn.with_logical_partitioning(init, names)
+
+
+def _norm(name: str, eps: float) -> nn.LayerNorm:
+  return nn.LayerNorm(epsilon=eps, name=name,
+                      scale_init=_param(nn.initializers.ones, ("embed",)),
+                      bias_init=_param(nn.initializers.zeros, ("embed",)))
+
+
+class GPT2Block(nn.Module):
+  """`x -> x`: pre-norm causal self-attention, then the MLP, each added to the residual."""
+
+  num_heads: int
+  head_dim: int
+  mlp_dim: int
+  layer_norm_epsilon: float = 1e-5
+  dropout_rate: float = 0.0
+  deterministic: bool = True
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    y = _norm("ln_1", self.layer_norm_epsilon)(x)
+    y = _Attention(self.num_heads, self.head_dim, self.dropout_rate, self.deterministic,
+                   name="attn")(y)
+    x = nn.with_logical_constraint(x + y, ("batch", "length", "embed"))
+    y = _norm("ln_2", self.layer_norm_epsilon)(x)
+    y = _Mlp(self.mlp_dim, self.dropout_rate, self.deterministic, name="mlp")(y)
+    return nn.with_logical_constraint(x + y, ("batch", "length", "embed"))
+
+
+class _Projection(nn.Module):
+  """`x[..., *inputs] -> x[..., *outputs]` with a kernel `[*inputs, *outputs]` and a bias
+  `[*outputs]`, both annotated (`names`: the kernel's; the bias takes the output ones)."""
+
+  inputs: tuple[int, ...]
+  outputs: tuple[int, ...]
+  names: tuple[str | None, ...]
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    n_in = len(self.inputs)
+    kernel = self.param("kernel", _param(_init, self.names), (*self.inputs, *self.outputs))
+    bias = self.param("bias", _param(nn.initializers.zeros, self.names[n_in:]), self.outputs)
+    contract = (tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in)))
+    return jax.lax.dot_general(x, kernel, (contract, ((), ()))) + bias
+
+
+class _Attention(nn.Module):
+  num_heads: int
+  head_dim: int
+  dropout_rate: float
+  deterministic: bool
+
+  @nn.compact
+  def __call__(self, y: jax.Array) -> jax.Array:
+    embed = y.shape[-1]
+    heads = (self.num_heads, self.head_dim)
+    qkv = _Projection((embed,), (3, *heads), ("embed", None, "heads", "kv"),
+                      name="c_attn")(y)
+    q, k, v = (nn.with_logical_constraint(qkv[:, :, i], ("batch", "length", "heads", "kv"))
+               for i in range(3))
+    mask = nn.make_causal_mask(jnp.ones(y.shape[:2], jnp.int32))
+    dropout_rng = None
+    if self.dropout_rate > 0 and not self.deterministic:
+      dropout_rng = self.make_rng("dropout")
+    attended = nn.dot_product_attention(q, k, v, mask=mask, dropout_rng=dropout_rng,
+                                        dropout_rate=self.dropout_rate,
+                                        deterministic=self.deterministic)
+    attended = nn.with_logical_constraint(attended, ("batch", "length", "heads", "kv"))
+    out = _Projection(heads, (embed,), ("heads", "kv", "embed"), name="c_proj")(attended)
+    return nn.Dropout(self.dropout_rate, deterministic=self.deterministic)(out)
+
+
+class _Mlp(nn.Module):
+  mlp_dim: int
+  dropout_rate: float
+  deterministic: bool
+
+  @nn.compact
+  def __call__(self, y: jax.Array) -> jax.Array:
+    embed = y.shape[-1]
+    h = nn.Dense(self.mlp_dim, name="c_fc", kernel_init=_param(_init, ("embed", "mlp")),
+                 bias_init=_param(nn.initializers.zeros, ("mlp",)))(y)
+    h = nn.with_logical_constraint(nn.gelu(h, approximate=True), ("batch", "length", "mlp"))
+    out = nn.Dense(embed, name="c_proj", kernel_init=_param(_init, ("mlp", "embed")),
+                   bias_init=_param(nn.initializers.zeros, ("embed",)))(h)
+    return nn.Dropout(self.dropout_rate, deterministic=self.deterministic)(out)
+
+
+class GPT2LM(nn.Module):
+  """Token ids `[batch, length]` -> next-token logits `[batch, length, vocab]`.
+
+  Attributes:
+    vocab_size, max_len: HF's `vocab_size`, `n_positions`.
+    num_layers, embed_dim, num_heads: `n_layer`, `n_embd`, `n_head`.
+    mlp_dim: `n_inner` (HF's default: `4 * n_embd`).
+    layer_norm_epsilon: HF's `layer_norm_epsilon`.
+    dropout_rate: one rate for the residual, attention and embedding dropout (HF's
+      `resid_pdrop`, `attn_pdrop`, `embd_pdrop`), active when `train=True`.
+  """
+
+  vocab_size: int
+  num_layers: int = 2
+  embed_dim: int = 64
+  num_heads: int = 4
+  mlp_dim: int = 256
+  max_len: int = 128
+  layer_norm_epsilon: float = 1e-5
+  dropout_rate: float = 0.0
+
+  @nn.compact
+  def __call__(self, tokens: jax.Array, train: bool = False) -> jax.Array:
+    length = tokens.shape[1]
+    if length > self.max_len:
+      raise ValueError(f"sequence length {length} exceeds max_len={self.max_len}")
+    if self.embed_dim % self.num_heads:
+      raise ValueError(f"embed_dim={self.embed_dim} must be a multiple of "
+                       f"num_heads={self.num_heads}")
+    embedding = nn.Embed(self.vocab_size, self.embed_dim, name="token_embedding",
+                         embedding_init=_param(_init, ("vocab", "embed")))
+    positions = self.param("position_embedding", _param(nn.initializers.normal(0.01),
+                                                        ("length", "embed")),
+                           (self.max_len, self.embed_dim))
+    x = embedding(tokens) + positions[:length]
+    x = nn.Dropout(self.dropout_rate, deterministic=not train)(x)
+    x = nn.with_logical_constraint(x, ("batch", "length", "embed"))
+    block = dict(num_heads=self.num_heads, head_dim=self.embed_dim // self.num_heads,
+                 mlp_dim=self.mlp_dim, layer_norm_epsilon=self.layer_norm_epsilon,
+                 dropout_rate=self.dropout_rate, deterministic=not train)
+    x = LayerStack(GPT2Block, self.num_layers, block, name="blocks")(x)
+    x = _norm("ln_f", self.layer_norm_epsilon)(x)
+    logits = embedding.attend(x)
+    return nn.with_logical_constraint(logits, ("batch", "length", "vocab"))

@@ -1,0 +1,94 @@
+r"""Writes a run's model as a Hugging Face checkpoint: `config.json` + `model.safetensors`.
+
+    python -m trainer.export --workdir=/tmp/finetune --out=/tmp/finetune_hf \
+        [--step=N] [--member=i] [--config=RUN_CONFIG.json] [--dtype=bfloat16]
+
+The checkpoint may come from any strategy (an ensemble's or a sweep's: pick the
+member with `--member`); the model must be of a family with a mapping
+(`config.model.family`: `gpt2`, `llama`). The model's fields come from the run's
+config: `--config` (a JSON config, as `examples/finetune_lm.py` writes to
+`<workdir>/config.json`, or a sweep's `sweep_best_config.json`), by default
+`<workdir>/config.json`. `transformers`' `AutoModelForCausalLM.from_pretrained(out)`
+loads the result.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any
+
+from absl import app, flags
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("workdir", None, "The run's workdir (holding checkpoints/).")
+flags.DEFINE_string("out", None, "The directory to write config.json and model.safetensors to.")
+flags.DEFINE_integer("step", -1, "The checkpoint step (-1: the latest).")
+flags.DEFINE_integer("member", -1, "An ensemble checkpoint's member to export.")
+flags.DEFINE_string("config", None, "The run's config as JSON (default: <workdir>/config.json).")
+flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16", "float16"],
+                  "The dtype of the written tensors.")
+
+
+def run_config(workdir: str, config_path: str | None) -> dict[str, Any]:
+  """The run's config as a dict, from `config_path` or `<workdir>/config.json`."""
+  path = config_path or os.path.join(workdir, "config.json")
+  if not os.path.isfile(path):
+    raise ValueError(f"--config={path!r} does not exist: the export needs the run's "
+                     f"config.model (examples/finetune_lm.py writes <workdir>/config.json; "
+                     f"write `config.to_json()` there, or pass --config).")
+  with open(path) as f:
+    return json.load(f)
+
+
+def export_checkpoint(workdir: str, out: str, *, step: int = -1, member: int = -1,
+                      config: dict[str, Any], dtype: str = "float32") -> list[str]:
+  """Exports checkpoint `step` of `workdir` (member `member` of an ensemble) to `out`;
+  returns the HF tensor names written.
+
+  Raises:
+    ValueError: no checkpoint, an ensemble without `member`, a model of no mapped family,
+      or parameters the family's mapping cannot write.
+  """
+  import numpy as np
+
+  from trainer.checkpoint import init_from
+  from trainer.interop import families, hf
+
+  model = dict(config["model"])
+  family = families.get(model.get("family", "transformer"), field="config.model.family")
+  source = init_from.open_source(workdir, step=step, linen=family.model_type == "gpt2")
+  if source.num_members and not 0 <= member < source.num_members:
+    raise ValueError(f"--member={member}: {source.description} holds an ensemble of "
+                     f"{source.num_members}; pass --member between 0 and "
+                     f"{source.num_members - 1} (a sweep's best: its report names it).")
+  if not source.num_members and member >= 0:
+    raise ValueError(f"--member={member}: {source.description} holds one model; leave "
+                     f"--member out.")
+  paths = sorted(source.arrays["params"])
+  values = source.read({"params": paths})["params"]
+  if source.num_members:
+    values = {p: np.asarray(x[member]) for p, x in values.items()}
+  return hf.export(values, model, out, dtype=dtype)
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+  if not FLAGS.workdir or not FLAGS.out:
+    raise app.UsageError("--workdir and --out are required.")
+  from trainer.distributed import devices
+  devices.initialize(1)
+  try:
+    names = export_checkpoint(FLAGS.workdir, FLAGS.out, step=FLAGS.step, member=FLAGS.member,
+                              config=run_config(FLAGS.workdir, FLAGS.config),
+                              dtype=FLAGS.dtype)
+  except ValueError as e:
+    sys.exit(f"trainer.export: {e}")
+  print(f"wrote {len(names)} tensors to {os.path.join(FLAGS.out, 'model.safetensors')} "
+        f"and {os.path.join(FLAGS.out, 'config.json')}")
+
+
+if __name__ == "__main__":
+  app.run(main)

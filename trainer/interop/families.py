@@ -1,0 +1,231 @@
+"""The model families whose Hugging Face checkpoints this project reads and writes.
+
+A `Family` ties an HF `model_type` to the module in `models/` that computes the
+same function, and holds the mapping between the two parameter trees: a list of
+`Rule`s, each an HF tensor name (`{i}` for the layer index of a stacked layer)
+and this model's parameter path, with the layout change between them: each HF
+axis split into the widths `split` gives it (each letter a width of the model:
+`E` embed, `H` heads, `K` key/value heads, `D` head width, `F` MLP width), then
+the axes reordered by `perm`. A stacked rule's layers become the leading `layer` axis.
+The same rules, inverted, write an export.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Mapping
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+  """One HF tensor (per layer where `hf` holds `{i}`) <-> one parameter of ours.
+
+  Attributes:
+    hf: the HF name; `{i}` stands for the layer index.
+    ours: our parameter path (`/`-joined, as `config.init_from` and `config.freeze` name it).
+    split: how each HF axis splits, one entry per HF axis: a width, or a tuple of widths
+      it is the row-major product of (letters are model widths); () keeps the shape.
+    perm: our axes as axes of the split tensor; () keeps their order.
+  """
+
+  hf: str
+  ours: str
+  split: tuple[str | int | tuple[str | int, ...], ...] = ()
+  perm: tuple[int, ...] = ()
+
+  @property
+  def stacked(self) -> bool:
+    return "{i}" in self.hf
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+  """An HF model type and this project's module for it.
+
+  Attributes:
+    model_type: HF's `config.json` `model_type`.
+    architecture: the HF class `transformers` loads an export as.
+    prefix: a prefix HF's own saves put before every name (`transformer.`) that a
+      checkpoint may also lack; exports write it.
+    fields: `HF config dict -> our model's fields` (refuses what the module cannot compute).
+    hf_config: `our fields -> HF config dict` (for an export).
+    dims: `our fields -> {letter: width}` for `Rule.split`.
+    rules: `our fields -> the rules` (which depend on e.g. tied embeddings).
+    ignored: HF names (`{i}`: any layer) that hold no parameter (buffers, a tied head).
+    build: `our fields -> the module` (Linen) or its factory (NNX), what `build_model`
+      returns.
+  """
+
+  model_type: str
+  architecture: str
+  prefix: str
+  fields: Callable[[Mapping[str, Any]], dict[str, Any]]
+  hf_config: Callable[[Mapping[str, Any]], dict[str, Any]]
+  dims: Callable[[Mapping[str, Any]], dict[str, int]]
+  rules: Callable[[Mapping[str, Any]], list[Rule]]
+  ignored: tuple[str, ...]
+  build: Callable[[Mapping[str, Any]], Any]
+
+
+class UnsupportedModelError(ValueError):
+  """An HF config this project's module cannot compute (another activation, rope scaling)."""
+
+
+def _refuse_unless(config: Mapping[str, Any], field: str, accepted: tuple, default: Any) -> None:
+  value = config.get(field, default)
+  if value not in accepted:
+    raise UnsupportedModelError(
+        f"the Hugging Face config has {field}={value!r}; this project's "
+        f"{config.get('model_type')} computes only {field} in {accepted}.")
+
+
+# -- GPT-2 -----------------------------------------------------------------------------
+
+def _gpt2_fields(c: Mapping[str, Any]) -> dict[str, Any]:
+  _refuse_unless(c, "activation_function", ("gelu_new", "gelu_pytorch_tanh"), "gelu_new")
+  _refuse_unless(c, "scale_attn_weights", (True,), True)
+  _refuse_unless(c, "tie_word_embeddings", (True,), True)
+  _refuse_unless(c, "add_cross_attention", (False,), False)
+  embed = int(c["n_embd"])
+  return dict(family="gpt2", vocab_size=int(c["vocab_size"]), num_layers=int(c["n_layer"]),
+              embed_dim=embed, num_heads=int(c["n_head"]),
+              mlp_dim=int(c.get("n_inner") or 4 * embed), max_len=int(c["n_positions"]),
+              layer_norm_epsilon=float(c.get("layer_norm_epsilon", 1e-5)),
+              dropout_rate=float(c.get("resid_pdrop", 0.1)))
+
+
+def _gpt2_hf_config(f: Mapping[str, Any]) -> dict[str, Any]:
+  rate = f["dropout_rate"]
+  return dict(architectures=["GPT2LMHeadModel"], model_type="gpt2",
+              vocab_size=f["vocab_size"], n_positions=f["max_len"], n_embd=f["embed_dim"],
+              n_layer=f["num_layers"], n_head=f["num_heads"], n_inner=f["mlp_dim"],
+              activation_function="gelu_new", layer_norm_epsilon=f["layer_norm_epsilon"],
+              resid_pdrop=rate, embd_pdrop=rate, attn_pdrop=rate, tie_word_embeddings=True,
+              dtype="float32")
+
+
+def _gpt2_dims(f: Mapping[str, Any]) -> dict[str, int]:
+  return dict(E=f["embed_dim"], H=f["num_heads"], D=f["embed_dim"] // f["num_heads"],
+              F=f["mlp_dim"])
+
+
+def _gpt2_rules(f: Mapping[str, Any]) -> list[Rule]:
+  del f
+  rules = [Rule("wte.weight", "token_embedding/embedding"),
+           Rule("wpe.weight", "position_embedding"),
+           Rule("ln_f.weight", "ln_f/scale"), Rule("ln_f.bias", "ln_f/bias"),
+           Rule("h.{i}.attn.c_attn.weight", "blocks/attn/c_attn/kernel", ("E", (3, "H", "D"))),
+           Rule("h.{i}.attn.c_attn.bias", "blocks/attn/c_attn/bias", ((3, "H", "D"),)),
+           Rule("h.{i}.attn.c_proj.weight", "blocks/attn/c_proj/kernel", (("H", "D"), "E")),
+           Rule("h.{i}.attn.c_proj.bias", "blocks/attn/c_proj/bias")]
+  for name in ("ln_1", "ln_2"):
+    rules += [Rule(f"h.{{i}}.{name}.weight", f"blocks/{name}/scale"),
+              Rule(f"h.{{i}}.{name}.bias", f"blocks/{name}/bias")]
+  for name in ("c_fc", "c_proj"):  # HF's Conv1D keeps [in, out], as Flax does.
+    rules += [Rule(f"h.{{i}}.mlp.{name}.weight", f"blocks/mlp/{name}/kernel"),
+              Rule(f"h.{{i}}.mlp.{name}.bias", f"blocks/mlp/{name}/bias")]
+  return rules
+
+
+def _gpt2_build(f: Mapping[str, Any]) -> Any:
+  from models.gpt2 import GPT2LM
+  return GPT2LM(**{k: v for k, v in f.items() if k != "family"})
+
+
+GPT2 = Family("gpt2", "GPT2LMHeadModel", "transformer.", _gpt2_fields, _gpt2_hf_config,
+              _gpt2_dims, _gpt2_rules,
+              ignored=("h.{i}.attn.bias", "h.{i}.attn.masked_bias", "lm_head.weight"),
+              build=_gpt2_build)
+
+
+# -- Llama -----------------------------------------------------------------------------
+
+def _rope_theta(c: Mapping[str, Any]) -> float:
+  """The rope base from either config form (transformers 5's `rope_parameters`, or the
+  older `rope_theta` + `rope_scaling`); only the default (unscaled) rope is computed."""
+  params = c.get("rope_parameters") or {}
+  scaling = c.get("rope_scaling") or {}
+  kind = params.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
+  if kind != "default":
+    raise UnsupportedModelError(
+        f"the Hugging Face config has rope_type={kind!r}; this project's llama computes "
+        f"only the default rope (no scaling).")
+  return float(params.get("rope_theta", c.get("rope_theta", 10000.0)))
+
+
+def _llama_fields(c: Mapping[str, Any]) -> dict[str, Any]:
+  _refuse_unless(c, "hidden_act", ("silu",), "silu")
+  _refuse_unless(c, "attention_bias", (False,), False)
+  _refuse_unless(c, "mlp_bias", (False,), False)
+  heads = int(c["num_attention_heads"])
+  return dict(family="llama", vocab_size=int(c["vocab_size"]),
+              num_layers=int(c["num_hidden_layers"]), embed_dim=int(c["hidden_size"]),
+              num_heads=heads, num_kv_heads=int(c.get("num_key_value_heads") or heads),
+              head_dim=int(c.get("head_dim") or int(c["hidden_size"]) // heads),
+              mlp_dim=int(c["intermediate_size"]),
+              max_len=int(c.get("max_position_embeddings", 2048)),
+              rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)), rope_theta=_rope_theta(c),
+              tie_word_embeddings=bool(c.get("tie_word_embeddings", False)))
+
+
+def _llama_hf_config(f: Mapping[str, Any]) -> dict[str, Any]:
+  return dict(architectures=["LlamaForCausalLM"], model_type="llama",
+              vocab_size=f["vocab_size"], hidden_size=f["embed_dim"],
+              intermediate_size=f["mlp_dim"], num_hidden_layers=f["num_layers"],
+              num_attention_heads=f["num_heads"], num_key_value_heads=f["num_kv_heads"],
+              head_dim=f["head_dim"], max_position_embeddings=f["max_len"],
+              rms_norm_eps=f["rms_norm_eps"], rope_theta=f["rope_theta"],
+              rope_parameters=dict(rope_type="default", rope_theta=f["rope_theta"]),
+              tie_word_embeddings=f["tie_word_embeddings"], hidden_act="silu",
+              attention_bias=False, mlp_bias=False, dtype="float32")
+
+
+def _llama_dims(f: Mapping[str, Any]) -> dict[str, int]:
+  return dict(E=f["embed_dim"], H=f["num_heads"], K=f["num_kv_heads"], D=f["head_dim"],
+              F=f["mlp_dim"])
+
+
+def _llama_rules(f: Mapping[str, Any]) -> list[Rule]:
+  layer, ours = "model.layers.{i}", "blocks/layers"
+  rules = [Rule("model.embed_tokens.weight", "embed_tokens/embedding"),
+           Rule("model.norm.weight", "norm/scale"),
+           Rule(f"{layer}.input_layernorm.weight", f"{ours}/input_layernorm/scale"),
+           Rule(f"{layer}.post_attention_layernorm.weight",
+                f"{ours}/post_attention_layernorm/scale"),
+           # torch's Linear keeps [out, in]: ours are [in, out...].
+           Rule(f"{layer}.self_attn.q_proj.weight", f"{ours}/self_attn/q_proj/kernel",
+                (("H", "D"), "E"), (2, 0, 1)),
+           Rule(f"{layer}.self_attn.k_proj.weight", f"{ours}/self_attn/k_proj/kernel",
+                (("K", "D"), "E"), (2, 0, 1)),
+           Rule(f"{layer}.self_attn.v_proj.weight", f"{ours}/self_attn/v_proj/kernel",
+                (("K", "D"), "E"), (2, 0, 1)),
+           Rule(f"{layer}.self_attn.o_proj.weight", f"{ours}/self_attn/o_proj/kernel",
+                ("E", ("H", "D")), (1, 2, 0))]
+  rules += [Rule(f"{layer}.mlp.{name}.weight", f"{ours}/mlp/{name}/kernel", (), (1, 0))
+            for name in ("gate_proj", "up_proj", "down_proj")]
+  if not f["tie_word_embeddings"]:
+    rules.append(Rule("lm_head.weight", "lm_head/kernel", (), (1, 0)))
+  return rules
+
+
+def _llama_build(f: Mapping[str, Any]) -> Any:
+  from models.llama import LlamaLM
+  return functools.partial(LlamaLM, **{k: v for k, v in f.items() if k != "family"})
+
+
+LLAMA = Family("llama", "LlamaForCausalLM", "", _llama_fields, _llama_hf_config, _llama_dims,
+               _llama_rules,
+               ignored=("model.layers.{i}.self_attn.rotary_emb.inv_freq", "lm_head.weight"),
+               build=_llama_build)
+
+FAMILIES = {family.model_type: family for family in (GPT2, LLAMA)}
+
+
+def get(model_type: str, *, field: str = "model_type") -> Family:
+  """The family of an HF `model_type` (or of `config.model.family`)."""
+  if model_type not in FAMILIES:
+    raise UnsupportedModelError(f"{field}={model_type!r} has no mapping here; the families "
+                                f"with one are {sorted(FAMILIES)}.")
+  return FAMILIES[model_type]

@@ -1,0 +1,309 @@
+"""Hugging Face checkpoints in (`config.init_from.path`) and out (`python -m trainer.export`).
+
+In: `init_from.path` may name an HF model directory (`config.json` with
+`model.safetensors`, or the sharded `model.safetensors.index.json` form) or a
+`.safetensors` file beside its `config.json`. `open_source` turns it into an
+`init_from.Source` whose arrays carry this project's names and layouts (the
+family's rules in `trainer.interop.families`), so `config.init_from`'s checks
+apply: every HF tensor must be matched by a rule or known to hold no parameter,
+every model parameter must come from one, shapes must agree, all refused before
+any compute, with the names listed. Arrays are read slice by slice: each device
+shard reads only its part of the tensor (safetensors' lazy slices), so under
+FSDP no host materialises a whole weight matrix.
+
+Out: `export(values, fields, out_dir)` writes `config.json` and `model.safetensors`
+with HF's names and layouts, which `transformers` loads (`from_pretrained`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from trainer.interop import families
+from trainer.interop.families import Family, Rule
+
+CONFIG = "config.json"
+WEIGHTS = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+
+
+class SafetensorsFiles:
+  """The tensors of one HF checkpoint (one file or the sharded form), opened lazily.
+
+  Nothing is read until `read(name, index)`, which reads only `index`'s slice.
+  """
+
+  def __init__(self, path: str):
+    from safetensors import safe_open
+
+    if os.path.isfile(path):
+      files = [path]
+    elif os.path.isfile(os.path.join(path, INDEX)):
+      with open(os.path.join(path, INDEX)) as f:
+        weight_map = json.load(f)["weight_map"]
+      files = sorted({os.path.join(path, name) for name in weight_map.values()})
+    elif os.path.isfile(os.path.join(path, WEIGHTS)):
+      files = [os.path.join(path, WEIGHTS)]
+    else:
+      files = [os.path.join(path, WEIGHTS)]
+    self.description = f"Hugging Face checkpoint {path}"
+    self._handles = {file: safe_open(file, framework="np") for file in files}
+    self.where = {name: file for file, h in self._handles.items() for name in h.keys()}
+    self.bytes_read = 0  # What `read` has returned in all, and in its largest call.
+    self.largest_read = 0
+
+  def names(self) -> list[str]:
+    return sorted(self.where)
+
+  def shape(self, name: str) -> tuple[int, ...]:
+    return tuple(self._handles[self.where[name]].get_slice(name).get_shape())
+
+  def read(self, name: str, index: tuple[slice, ...] | None = None) -> np.ndarray:
+    tensor = self._handles[self.where[name]].get_slice(name)
+    x = np.asarray(tensor[index] if index else tensor[:])
+    self.bytes_read += x.nbytes
+    self.largest_read = max(self.largest_read, x.nbytes)
+    return x
+
+
+def _full(index: Sequence[Any] | None, shape: Sequence[int]) -> list[slice]:
+  """`index` (from `make_array_from_callback`: slices, maybe fewer than axes) as one
+  plain `slice(start, stop)` per axis."""
+  index = list(index or ())
+  index += [slice(None)] * (len(shape) - len(index))
+  out = []
+  for s, n in zip(index, shape, strict=True):
+    start, stop, step = s.indices(n)
+    if step != 1:
+      raise ValueError(f"strided slice {s} of an axis of {n}")
+    out.append(slice(start, stop))
+  return out
+
+
+class Conversion:
+  """One rule resolved for one model: HF shape, split shape, permutation, our shape."""
+
+  def __init__(self, rule: Rule, dims: Mapping[str, int], hf_shape: tuple[int, ...] = ()):
+    """`hf_shape`: the checkpoint's (checked against the rule); () for the rule's own."""
+    self.rule = rule
+    width = lambda d: dims[d] if isinstance(d, str) else d  # noqa: E731
+    if rule.split:
+      groups = [tuple(map(width, g)) if isinstance(g, tuple) else (width(g),)
+                for g in rule.split]
+    else:
+      groups = [(n,) for n in hf_shape]
+    own = tuple(math.prod(g) for g in groups)
+    if hf_shape and tuple(hf_shape) != own:
+      raise ValueError(f"{rule.hf} has shape {tuple(hf_shape)}; the model's widths make it "
+                       f"{own}")
+    self.hf_shape = own
+    self.split = tuple(n for g in groups for n in g)
+    axes = iter(range(len(self.split)))
+    self.groups = [[next(axes) for _ in g] for g in groups]
+    self.perm = rule.perm or tuple(range(len(self.split)))
+    self.shape = tuple(self.split[p] for p in self.perm)  # One layer's, in our layout.
+
+  def read(self, files: SafetensorsFiles, name: str, index: Sequence[Any] | None) -> np.ndarray:
+    """`ours[index]` of one layer, reading only the HF slice that covers it."""
+    ours = _full(index, self.shape)
+    want = [slice(None)] * len(self.split)  # The wanted slice of each split axis.
+    for i, p in enumerate(self.perm):
+      want[p] = ours[i]
+    hf_index, local, sizes = [], [], []
+    for a, group in enumerate(self.groups):
+      first, rest = want[group[0]], [want[j] for j in group[1:]]
+      inner = math.prod(self.split[j] for j in group[1:])
+      start, stop, _ = first.indices(self.split[group[0]])
+      if all(s == slice(None) or s.indices(self.split[j]) == (0, self.split[j], 1)
+             for s, j in zip(rest, group[1:], strict=True)):
+        hf_index.append(slice(start * inner, stop * inner))  # Contiguous on the HF axis.
+        sizes += [stop - start] + [self.split[j] for j in group[1:]]
+        local += [slice(None)] * len(group)
+      else:
+        hf_index.append(slice(0, self.hf_shape[a]))
+        sizes += [self.split[j] for j in group]
+        local += [want[j] for j in group]
+    x = files.read(name, tuple(hf_index)).reshape(sizes)[tuple(local)]
+    return np.transpose(x, self.perm)
+
+  def to_hf(self, x: np.ndarray) -> np.ndarray:
+    """One layer of ours -> the HF tensor (the inverse of `read`)."""
+    return np.ascontiguousarray(np.transpose(x, np.argsort(self.perm)).reshape(self.hf_shape))
+
+
+def _pattern(template: str, prefix: str) -> re.Pattern:
+  body = re.escape(template).replace(re.escape("{i}"), r"(\d+)")
+  return re.compile(f"(?:{re.escape(prefix)})?{body}" if prefix else body)
+
+
+def is_hf_checkpoint(path: str) -> bool:
+  """Whether `path` is an HF model directory (`config.json` beside safetensors weights) or a
+  `.safetensors` file."""
+  if os.path.isfile(path):
+    return path.endswith(".safetensors")
+  return os.path.isfile(os.path.join(path, CONFIG)) and any(
+      os.path.isfile(os.path.join(path, name)) for name in (WEIGHTS, INDEX))
+
+
+def read_config(path: str) -> dict[str, Any]:
+  """The HF `config.json` of a model directory (or beside a `.safetensors` file)."""
+  where = path if os.path.isdir(path) else os.path.dirname(path)
+  config_path = os.path.join(where, CONFIG)
+  if not os.path.isfile(config_path):
+    raise ValueError(f"config.init_from.path={path!r}: a .safetensors file needs the model's "
+                     f"{CONFIG} beside it (it says which architecture and widths it is).")
+  with open(config_path) as f:
+    return json.load(f)
+
+
+def model_fields(path: str) -> dict[str, Any]:
+  """`config.model`'s fields (`family` included) for the HF model at `path`: what
+  `LanguageModelTrainer` builds the matching module from."""
+  config = read_config(path)
+  return families.get(config.get("model_type")).fields(config)
+
+
+class Mapping_:
+  """The rules of a family resolved against one checkpoint's tensors (import), or against
+  our model's fields alone (export)."""
+
+  def __init__(self, family: Family, fields: Mapping[str, Any]):
+    self.family, self.fields = family, dict(fields)
+    self.dims = family.dims(fields)
+    self.rules = family.rules(fields)
+    self.num_layers = int(fields["num_layers"])
+
+  def hf_names(self, rule: Rule, prefix: str = "") -> list[str]:
+    if rule.stacked:
+      return [prefix + rule.hf.format(i=i) for i in range(self.num_layers)]
+    return [prefix + rule.hf]
+
+
+def open_source(path: str):
+  """The `init_from.Source` of an HF checkpoint at `path`, in our names and layouts.
+
+  Raises:
+    ValueError: an HF tensor no rule matches (and not a known buffer), a rule with no
+      tensor, a layer missing, or a tensor whose shape the model's widths cannot hold.
+  """
+  from trainer.checkpoint.init_from import Source
+
+  config = read_config(path)
+  family = families.get(config.get("model_type"))
+  fields = family.fields(config)
+  mapping = Mapping_(family, fields)
+  files = SafetensorsFiles(path)
+  patterns = [(rule, _pattern(rule.hf, family.prefix)) for rule in mapping.rules]
+  ignored = [_pattern(name, family.prefix) for name in family.ignored]
+  found: dict[str, dict[int, str]] = {rule.ours: {} for rule in mapping.rules}
+  unmatched = []
+  for name in files.names():
+    hit = next(((rule, m) for rule, p in patterns if (m := p.fullmatch(name))), None)
+    if hit is None:
+      if not any(p.fullmatch(name) for p in ignored):
+        unmatched.append(name)
+      continue
+    rule, m = hit
+    found[rule.ours][int(m.group(1)) if rule.stacked else -1] = name
+  where = files.description
+  if unmatched:
+    raise ValueError(f"config.init_from.path: {len(unmatched)} tensor(s) of {where} match no "
+                     f"rule of the {family.model_type!r} mapping: {unmatched[:12]}; this "
+                     f"project's {family.model_type} model has no parameter for them.")
+  problems, conversions = [], {}
+  for rule in mapping.rules:
+    layers = found[rule.ours]
+    want = list(range(mapping.num_layers)) if rule.stacked else [-1]
+    missing = [mapping.hf_names(rule)[i] if rule.stacked else rule.hf
+               for i in want if i not in layers]
+    extra = sorted(set(layers) - set(want))
+    if missing or extra:
+      problems.append(f"{rule.ours}: " + (f"missing {missing[:4]}" if missing else "") +
+                      (f" layers {extra} beyond num_hidden_layers={mapping.num_layers}"
+                       if extra else ""))
+      continue
+    shapes = {files.shape(layers[i]) for i in want}
+    if len(shapes) > 1:
+      problems.append(f"{rule.ours}: its layers differ in shape {sorted(shapes)}")
+      continue
+    try:
+      conversions[rule.ours] = Conversion(rule, mapping.dims, shapes.pop())
+    except ValueError as e:
+      problems.append(f"{rule.ours}: {e} (config widths {mapping.dims})")
+  if problems:
+    raise ValueError(f"config.init_from.path: {where} does not hold the "
+                     f"{family.model_type!r} model its {CONFIG} describes:\n  " +
+                     "\n  ".join(problems))
+
+  def shape_of(path: str) -> tuple[int, ...]:
+    c = conversions[path]
+    return ((mapping.num_layers,) if c.rule.stacked else ()) + c.shape
+
+  def read_slice(collection: str, path: str, index: Sequence[Any] | None) -> np.ndarray:
+    del collection
+    c = conversions[path]
+    if not c.rule.stacked:
+      return c.read(files, found[path][-1], index)
+    index = _full(index, shape_of(path))
+    layers, rest = index[0], index[1:]
+    return np.stack([c.read(files, found[path][i], rest)
+                     for i in range(layers.start, layers.stop)])
+
+  def read(wanted: Mapping[str, list[str]]):
+    return {c: {p: read_slice(c, p, None) for p in paths} for c, paths in wanted.items()}
+
+  return Source(f"{where} ({family.model_type})", 0,
+                {"params": {p: shape_of(p) for p in conversions}}, read,
+                read_slice=read_slice, complete=True, handle=files)
+
+
+def export(values: Mapping[str, np.ndarray], fields: Mapping[str, Any], out_dir: str, *,
+           dtype: str | None = None) -> list[str]:
+  """Writes `config.json` and `model.safetensors` of our parameters `values` (`{path:
+  array}`, one model) in HF's names and layouts; returns the tensor names written.
+
+  Raises:
+    ValueError: `fields` name no family with a mapping, a parameter is missing, or a
+      parameter is left over (one the family's mapping has no HF tensor for).
+  """
+  from safetensors.numpy import save_file
+
+  family = families.get(fields["family"], field="config.model.family")
+  mapping = Mapping_(family, fields)
+  hf_config = family.hf_config(fields)
+  tensors, used = {}, set()
+  for rule in mapping.rules:
+    if rule.ours not in values:
+      raise ValueError(f"export: the checkpoint has no parameter {rule.ours!r}, which "
+                       f"{family.model_type} needs for {rule.hf}; its parameters are "
+                       f"{sorted(values)[:12]}.")
+    used.add(rule.ours)
+    x = np.asarray(values[rule.ours])
+    one = x.shape[1:] if rule.stacked else x.shape
+    # A rule without a split keeps each axis: the HF shape is ours, un-permuted.
+    hf_shape = () if rule.split else tuple(
+        one[i] for i in np.argsort(rule.perm or range(len(one))))
+    conversion = Conversion(rule, mapping.dims, hf_shape)
+    if tuple(x.shape[1:] if rule.stacked else x.shape) != conversion.shape:
+      raise ValueError(f"export: {rule.ours!r} has shape {x.shape}; the model's widths "
+                       f"({mapping.dims}) make one layer of it {conversion.shape}.")
+    layers = list(x) if rule.stacked else [x]
+    for name, layer in zip(mapping.hf_names(rule, family.prefix), layers, strict=True):
+      y = conversion.to_hf(np.asarray(layer))
+      tensors[name] = y.astype(dtype) if dtype else y
+  left = sorted(set(values) - used)
+  if left:
+    raise ValueError(f"export: {len(left)} parameter(s) have no {family.model_type} tensor to "
+                     f"go to: {left[:12]}.")
+  os.makedirs(out_dir, exist_ok=True)
+  save_file(tensors, os.path.join(out_dir, WEIGHTS), metadata={"format": "pt"})
+  with open(os.path.join(out_dir, CONFIG), "w") as f:
+    json.dump(hf_config, f, indent=2)
+  return sorted(tensors)
