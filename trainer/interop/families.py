@@ -73,12 +73,13 @@ class UnsupportedModelError(ValueError):
   """An HF config this project's module cannot compute (another activation, rope scaling)."""
 
 
-def _refuse_unless(config: Mapping[str, Any], field: str, accepted: tuple, default: Any) -> None:
-  value = config.get(field, default)
+def _refuse_unless(hf_config: Mapping[str, Any], field: str, accepted: tuple,
+                   default: Any) -> None:
+  value = hf_config.get(field, default)
   if value not in accepted:
     raise UnsupportedModelError(
         f"the Hugging Face config has {field}={value!r}; this project's "
-        f"{config.get('model_type')} computes only {field} in {accepted}.")
+        f"{hf_config.get('model_type')} computes only {field} in {accepted}.")
 
 
 # -- GPT-2 -----------------------------------------------------------------------------

@@ -166,8 +166,8 @@ def read_config(path: str) -> dict[str, Any]:
 def model_fields(path: str) -> dict[str, Any]:
   """`config.model`'s fields (`family` included) for the HF model at `path`: what
   `LanguageModelTrainer` builds the matching module from."""
-  config = read_config(path)
-  return families.get(config.get("model_type")).fields(config)
+  hf_config = read_config(path)
+  return families.get(hf_config.get("model_type")).fields(hf_config)
 
 
 class Mapping_:
@@ -195,9 +195,9 @@ def open_source(path: str):
   """
   from trainer.checkpoint.init_from import Source
 
-  config = read_config(path)
-  family = families.get(config.get("model_type"))
-  fields = family.fields(config)
+  hf_config = read_config(path)
+  family = families.get(hf_config.get("model_type"))
+  fields = family.fields(hf_config)
   mapping = Mapping_(family, fields)
   files = SafetensorsFiles(path)
   patterns = [(rule, _pattern(rule.hf, family.prefix)) for rule in mapping.rules]
