@@ -107,6 +107,13 @@ def get_config() -> ml_collections.ConfigDict:
   config.init_from.member = -1  # An ensemble checkpoint: the member every new model takes.
   config.init_from.rules = ()
   config.init_from.fresh = ()
+  # LoRA (trainer/step/lora.py, Qwix's adapters; Linen models): low-rank adapters of `rank`
+  # on the weights whose parameter paths the `targets` regexes match, scaled by
+  # alpha / rank; every other parameter is frozen (no optimizer state). 0: off.
+  config.lora = ml_collections.ConfigDict()
+  config.lora.rank = 0
+  config.lora.alpha = 16.0
+  config.lora.targets = ()
   config.schedule = ml_collections.ConfigDict()
   config.schedule.name = "constant"  # constant | cosine | linear (decay to the last step).
   config.schedule.warmup_steps = 0  # Linear warmup from 0 to learning_rate.

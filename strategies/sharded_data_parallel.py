@@ -175,6 +175,8 @@ class ShardedDataParallel(GlobalMeshBatch, Strategy):
   def checkpoint_target(self, abstract_state: PyTree) -> PyTree:
     def with_sharding(x, sharding):
       if isinstance(x, nn.Partitioned):  # The sharding tree has no boxes.
+        if not jax.tree.leaves(x.value):  # A frozen parameter's empty optimizer state.
+          return x
         return x.replace_boxed(with_sharding(x.value, sharding))
       return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
 

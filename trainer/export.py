@@ -8,7 +8,8 @@ member with `--member`); the model must be of a family with a mapping
 (`config.model.family`: `gpt2`, `llama`). The model's fields come from the run's
 config: `--config` (a JSON config, as `examples/finetune_lm.py` writes to
 `<workdir>/config.json`, or a sweep's `sweep_best_config.json`), by default
-`<workdir>/config.json`. `transformers`' `AutoModelForCausalLM.from_pretrained(out)`
+`<workdir>/config.json`. LoRA adapters (`config.lora`) are merged into their
+weights first. `transformers`' `AutoModelForCausalLM.from_pretrained(out)`
 loads the result.
 """
 
@@ -55,6 +56,7 @@ def export_checkpoint(workdir: str, out: str, *, step: int = -1, member: int = -
 
   from trainer.checkpoint import init_from
   from trainer.interop import families, hf
+  from trainer.step import lora
 
   model = dict(config["model"])
   family = families.get(model.get("family", "transformer"), field="config.model.family")
@@ -70,6 +72,7 @@ def export_checkpoint(workdir: str, out: str, *, step: int = -1, member: int = -
   values = source.read({"params": paths})["params"]
   if source.num_members:
     values = {p: np.asarray(x[member]) for p, x in values.items()}
+  values = lora.merged(values, dict(config.get("lora") or {}))
   return hf.export(values, model, out, dtype=dtype)
 
 

@@ -44,7 +44,14 @@ from trainer.run.start import TrainData
 from trainer.run.state import States
 from trainer.step import model_variables
 from trainer.step.functions import CompiledSteps, StepFunctions
-from trainer.step.optim import check_run_length, create_schedule, optimizer_for, parameter_labels
+from trainer.step.lora import Lora
+from trainer.step.optim import (
+  check_run_length,
+  create_schedule,
+  frozen_patterns,
+  optimizer_for,
+  parameter_labels,
+)
 from trainer.step.recipe import Recipe, recipe_from_config
 from trainer.step.remat import Remat
 from trainer.step.train_state import TrainState
@@ -202,7 +209,7 @@ class Trainer(abc.ABC):
     """Each parameter's group: `'frozen'`, `'group<i>'` (`config.param_groups[i]`) or
     `'default'`; by default from the config's path patterns. Override to choose in code
     (e.g. by shape); it is called with the parameters while the state is built."""
-    return parameter_labels(params, freeze=tuple(self.config.freeze),
+    return parameter_labels(params, freeze=frozen_patterns(self.config),
                             groups=[dict(g) for g in self.config.param_groups])
 
   def learning_rate(self, step: int) -> float | None:
@@ -291,7 +298,7 @@ class Trainer(abc.ABC):
     #: `parameter_labels` when parameters are grouped (config patterns, or the hook
     #: overridden), else None.
     self.labels = (self.parameter_labels if config.freeze or config.param_groups or overridden
-                   else None)
+                   or config.lora.rank else None)
     self.recipe = self.build_recipe()
     self.compiled = CompiledSteps(self, strategy, steps_loop=config.steps_loop)
     self.evaluator = Evaluator(strategy, self.compiled, config.eval_batch_size)
@@ -299,7 +306,8 @@ class Trainer(abc.ABC):
     self.model = self.build_model()
     self.model_variables = model_variables.create(self.model,
                                                   sync_batchnorm=config.sync_batchnorm,
-                                                  remat=Remat.from_config(config))
+                                                  remat=Remat.from_config(config),
+                                                  lora=Lora.from_config(config))
     self.optimizer = self.build_optimizer()
     self.steps = StepFunctions(self, strategy, self.model_variables.init, self.recipe)
     self.states = States(config, steps=self.steps, strategy=strategy, recipe=self.recipe,

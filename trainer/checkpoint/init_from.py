@@ -283,7 +283,9 @@ def plan(config: ml_collections.ConfigDict, source: Source, new: Flat, *,
                        f"old path) pair of strings, e.g. ('encoder/(.*)', r'backbone/\\1').")
   member = _member(spec.member, source, num_members)
   saved_members = source.num_members if member is not None or num_members else 0
-  fresh_used = {p: False for p in spec.fresh}
+  from trainer.step import lora
+  fresh_patterns = list(spec.fresh) + ([lora.ADAPTERS] if config.lora.rank else [])
+  fresh_used = {p: False for p in fresh_patterns}
   rule_used = [False] * len(rules)
   mapped: dict[str, dict[str, str]] = {}
   fresh: dict[str, list[str]] = {}
@@ -291,7 +293,7 @@ def plan(config: ml_collections.ConfigDict, source: Source, new: Flat, *,
   for c, paths in new.items():
     old = source.arrays.get(c, {})
     for path, want in paths.items():
-      keep = [p for p in spec.fresh if re.fullmatch(p, path)]
+      keep = [p for p in fresh_patterns if re.fullmatch(p, path)]
       for p in keep:
         fresh_used[p] = True
       hits = [(i, m) for i, (pattern, _) in enumerate(rules)

@@ -48,6 +48,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from strategies.mesh import BATCH_AXIS
+from trainer.step.lora import Lora
 from trainer.step.remat import Remat, class_names
 
 PyTree = Any
@@ -120,7 +121,7 @@ class ModelVariables(abc.ABC):
 
 
 def create(model: Any, *, sync_batchnorm: bool = False,
-           remat: Remat | None = None) -> ModelVariables:
+           remat: Remat | None = None, lora: Lora | None = None) -> ModelVariables:
   """The `ModelVariables` for what `Trainer.build_model` returned.
 
   Args:
@@ -128,13 +129,22 @@ def create(model: Any, *, sync_batchnorm: bool = False,
       data axis, so its statistics are over the global batch (per member).
     remat: checkpoint the training forward pass, or the named modules' calls
       (`trainer.step.remat`); None: keep every activation.
+    lora: add low-rank adapters to the weights it targets (`trainer.step.lora`;
+      Linen modules); None: the model as it is.
 
   Raises:
     TypeError: an NNX module instance (its parameters exist already, so every
       ensemble member would share them) or something that is not a model.
+    ValueError: `lora` for an NNX model.
   """
   if isinstance(model, nn.Module):
-    return LinenVariables(model, sync_batchnorm=sync_batchnorm, remat=remat)
+    return LinenVariables(model, sync_batchnorm=sync_batchnorm, remat=remat, lora=lora)
+  if lora is not None and callable(model) and not isinstance(model, nnx.Module):
+    raise ValueError(
+        "config.lora: this model is an NNX one; LoRA here is Qwix's for Linen modules (Qwix "
+        "creates NNX adapters during an eager call, which a scanned or pipelined "
+        "NnxLayerStack cannot host). Train it without config.lora, or freeze layers with "
+        "config.freeze.")
   if isinstance(model, nnx.Module):
     raise TypeError(
         f"build_model returned an nnx.Module instance ({type(model).__name__}); return its "
@@ -163,10 +173,12 @@ class LinenVariables(ModelVariables):
   """A `flax.linen.Module`: `params` plus its other collections as `model_state`."""
 
   def __init__(self, module: nn.Module, *, sync_batchnorm: bool = False,
-               remat: Remat | None = None):
+               remat: Remat | None = None, lora: Lora | None = None):
     self._module = module
     self._sync_batchnorm = sync_batchnorm
     self._remat = remat
+    self._lora = lora
+    self._adapted: nn.Module | None = None  # The module with LoRA adapters, once made.
     call = inspect.signature(type(module).__call__).parameters
     self._mode_args = [name for name in _MODE_ARGUMENTS if name in call]
 
@@ -174,13 +186,38 @@ class LinenVariables(ModelVariables):
   def module(self) -> nn.Module:
     return self._module
 
+  def _with_lora(self, args: tuple, kwargs: dict) -> nn.Module:
+    """The module, with Qwix's adapters on the weights `config.lora.targets` match (found
+    from the parameter paths of an abstract init, once)."""
+    if self._lora is None:
+      return self._module
+    if self._adapted is None:
+      import qwix
+
+      from strategies.tree import keypath_str
+
+      def paths(module):
+        variables = jax.eval_shape(lambda: module.init(
+            {"params": jax.random.PRNGKey(0)}, *args, **kwargs))
+        return [keypath_str(p, drop_box=True) for p, _ in
+                jax.tree_util.tree_leaves_with_path(variables.get("params", {}))]
+
+      base = _with_mode_fields(self._module, False)
+      base_paths = paths(base)
+      adapted = qwix.apply_lora_to_model(self._module, self._lora.provider(base_paths))
+      self._lora.check_adapted(base_paths, paths(_with_mode_fields(adapted, False)))
+      self._adapted = adapted
+    return self._adapted
+
   def _in_mode(self, inputs: Inputs, train: bool) -> tuple[nn.Module, tuple, dict]:
     """The module with its mode fields set, and the call's arguments with its mode arguments."""
     args, kwargs = inputs
     kwargs = dict(kwargs)
     for name in self._mode_args:
       kwargs.setdefault(name, _mode_value(name, train))
-    return _with_mode_fields(self._module, train), args, kwargs
+    eval_kwargs = {**kwargs, **{name: _mode_value(name, False) for name in self._mode_args}}
+    module = self._with_lora(args, eval_kwargs)
+    return _with_mode_fields(module, train), args, kwargs
 
   def init(self, rngs: Rngs, inputs: Inputs) -> tuple[PyTree, PyTree]:
     module, args, kwargs = self._in_mode(inputs, train=False)
@@ -191,7 +228,14 @@ class LinenVariables(ModelVariables):
       return next_fun(*args, **kwargs)
 
     named = self._remat is not None and bool(self._remat.modules)
-    with nn.intercept_methods(record) if named else contextlib.nullcontext():
+    with contextlib.ExitStack() as stack:
+      if named:
+        stack.enter_context(nn.intercept_methods(record))
+      if self._lora is not None:
+        # Qwix boxes a new adapter in its weight's metadata and unboxes it, which under
+        # logical rules constrains it by the weight's rank; creating them without rules
+        # keeps the names (the strategy lays the state out from them afterwards).
+        stack.enter_context(nn.logical_axis_rules(()))
       variables = dict(module.init(dict(rngs), *args, **kwargs))
     if named:
       self._remat.check_found(seen)

@@ -150,6 +150,13 @@ def create_optimizer(config: ml_collections.ConfigDict, schedule: optax.Schedule
 FROZEN, DEFAULT = "frozen", "default"
 
 
+def frozen_patterns(config: ml_collections.ConfigDict) -> tuple[str, ...]:
+  """The path patterns of frozen parameters: `config.freeze`, or with `config.lora` every
+  parameter that is not an adapter (`trainer.step.lora.BASE`)."""
+  from trainer.step import lora
+  return (lora.BASE,) if config.lora.rank else tuple(config.freeze)
+
+
 def parameter_labels(params: PyTree, *, freeze: Sequence[str],
                      groups: Sequence[Mapping[str, Any]]) -> PyTree:
   """Each parameter's label: `frozen`, `group<i>` or `default`, by path patterns.
