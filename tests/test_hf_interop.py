@@ -84,9 +84,9 @@ def _our_logits(trainer, state, tokens=TOKENS):
   canonical = trainer.strategy.to_canonical(state)
   if trainer.strategy.checkpoint_layout()["num_members"]:
     raise AssertionError("one model expected")
-  logits, _ = trainer.model_variables.apply(
-      canonical.params, canonical.model_state, ((tokens,), {}),
-      rngs={"dropout": jax.random.PRNGKey(0)}, train=False)
+  logits = jax.jit(lambda params, model_state: trainer.model_variables.apply(
+      params, model_state, ((tokens,), {}), rngs={"dropout": jax.random.PRNGKey(0)},
+      train=False)[0])(canonical.params, canonical.model_state)
   return np.asarray(logits)
 
 
@@ -103,10 +103,15 @@ def test_logits_equal_transformers_under_every_layout(hf_models, family):
         trainer.strategy.to_canonical(state).opt_state) if np.ndim(x) > 1)
 
 
-@pytest.mark.parametrize("family,layout", [("gpt2", "fsdp"), ("llama", "data_tensor")])
-def test_finetune_then_export_loads_in_transformers(hf_models, family, layout, tmp_path):
+@pytest.mark.parametrize("family,layout,lora", [("gpt2", "fsdp", False),
+                                               ("llama", "data_tensor", False),
+                                               ("gpt2", "data_tensor", True)])
+def test_finetune_then_export_loads_in_transformers(hf_models, family, layout, lora, tmp_path):
+  """LoRA: the export merges the adapters into the weights transformers reads."""
   path, reference, names = hf_models[family]
   config = _config(path, layout, learning_rate=1e-2)
+  if lora:
+    config.lora.update(rank=4, alpha=8.0, targets=(".*attn/c_attn/kernel", ".*mlp/.*/kernel"))
   trainer = LanguageModelTrainer(config)
   workdir = str(tmp_path / "run")
   checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), every_steps=0,

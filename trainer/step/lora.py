@@ -123,6 +123,18 @@ class Lora:
                        f"get no adapters); target kernels, e.g. '.*attn/.*/kernel'.")
 
 
+def _leading_axes(w: np.ndarray, a: np.ndarray, b: np.ndarray, rank: int) -> int:
+  """How many leading axes (stacked layers) the weight and its adapters share: A is
+  `[*lead, inputs..., rank]`, B `[*lead, rank, outputs...]`."""
+  for lead in range(min(a.ndim, b.ndim)):
+    n = int(np.prod(b.shape[:lead]))
+    if (a.shape[:lead] == b.shape[:lead] == w.shape[:lead] and a.shape[-1] == rank
+        and b.shape[lead] == rank and (a.size // rank) * (b.size // rank) == w.size * n):
+      return lead
+  raise ValueError(f"adapters {a.shape} and {b.shape} of rank {rank} do not fit the weight "
+                   f"{w.shape}")
+
+
 def merged(values: Mapping[str, np.ndarray], lora: Mapping[str, Any]) -> dict[str, np.ndarray]:
   """`{path: array}` of one model with every adapter pair folded into its weight:
   `W + alpha / rank * A @ B`, reshaped to `W` (inputs first, as the products take it)."""
@@ -135,7 +147,7 @@ def merged(values: Mapping[str, np.ndarray], lora: Mapping[str, Any]) -> dict[st
     w = np.asarray(values[path])
     a = np.asarray(values.pop(path + SUFFIX_A), np.float64)
     b = np.asarray(values.pop(path + SUFFIX_B), np.float64)
-    lead = next(n for n in range(b.ndim) if b.shape[n] == rank)  # Stacked layers lead.
+    lead = _leading_axes(w, a, b, rank)
     delta = np.matmul(a.reshape(a.shape[:lead] + (-1, rank)),
                       b.reshape(b.shape[:lead] + (rank, -1)))
     values[path] = (w + alpha / rank * delta.reshape(w.shape)).astype(w.dtype)

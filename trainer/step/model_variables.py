@@ -197,8 +197,9 @@ class LinenVariables(ModelVariables):
       from strategies.tree import keypath_str
 
       def paths(module):
-        variables = jax.eval_shape(lambda: module.init(
-            {"params": jax.random.PRNGKey(0)}, *args, **kwargs))
+        with nn.logical_axis_rules(()):  # See `init`: Qwix's adapters without rules.
+          variables = jax.eval_shape(lambda: module.init(
+              {"params": jax.random.PRNGKey(0)}, *args, **kwargs))
         return [keypath_str(p, drop_box=True) for p, _ in
                 jax.tree_util.tree_leaves_with_path(variables.get("params", {}))]
 
