@@ -27,8 +27,9 @@ import ml_collections
 
 from configs import base
 
-#: The logical names the LM's weights carry (`layer` from `nn.scan`).
-NAMES = ("vocab", "embed", "heads", "kv", "mlp", "length", "layer")
+#: The logical names the LMs' weights carry (`layer` from the layer stack; `kv_heads`:
+#: the Llama family's key/value heads, fewer than its query heads).
+NAMES = ("vocab", "embed", "heads", "kv", "mlp", "length", "layer", "kv_heads")
 
 
 def rules(**mapped: str) -> tuple:

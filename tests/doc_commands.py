@@ -71,6 +71,17 @@ FEW_STEPS = {
                             "32", "--batch", "4", "--variants", "blocks/nothing"],
     "benchmarks/pipeline.py": ["--steps", "1", "--batch", "16", "--embed", "32", "--seq", "16",
                                "--layers", "4", "--rows", "dp,gpipe_m4"],
+    "examples/finetune_lm.py": ["--config.num_train_steps=2", "--config.log_every_steps=1",
+                                "--config.schedule.warmup_steps=0", "--samples=1",
+                                "--sample_tokens=2"],
+    "trainer.export": [],  # Reads one checkpoint: seconds as written.
+    "benchmarks/hf_load.py": ["--layers", "1", "--embed", "64", "--vocab", "256"],
+}
+
+#: Documented paths that another documented command makes: before a command that reads one
+#: runs, the command that makes it runs (with its few-step flags) unless it already has.
+MADE_BY = {
+    "/tmp/finetune": ".venv/bin/python examples/finetune_lm.py --workdir=/tmp/finetune",
 }
 
 #: What a script's standard output shows when it did its job.
@@ -93,6 +104,9 @@ EXPECTED_OUTPUT = {
     "trainer.plan": r"^  (fits|does NOT fit): peak [\d,.]+ MiB of",
     "benchmarks/remat.py": r"^blocks/nothing\s+\d+\.\d\s+\d\.\d{2}x\s+\d+\.\d{4}\s+\d+\.\d{3}x",
     "benchmarks/pipeline.py": r"^gpipe_m4\s+\d+\.\d{4}\s+\d+\.\d{2}x\s+42\.9%\s+\d",
+    "examples/finetune_lm.py": r"^validation loss: before=\d+\.\d{4} after=\d+\.\d{4}",
+    "trainer.export": r"^wrote \d+ tensors to \S+model\.safetensors",
+    "benchmarks/hf_load.py": r"^fsdp \(8 devices\)\s+\d+\.\d\s+\d+\.\d{3}\s+\d+\.\d{2}",
 }
 
 
@@ -207,6 +221,10 @@ def run_and_check(command: str, runner: Runner) -> None:
   if script_of(command):
     script = script_of(command)
     assert script in FEW_STEPS, f"no few-step flags for {script} in doc_commands.py"
+    for path, maker in MADE_BY.items():
+      reads = re.search(rf"=({re.escape(path)})(/|\s|$)", command)
+      if reads and maker != command and not runner.path(path).exists():
+        check(maker, runner.run(maker))
     result = runner.run(command)
   elif last_step(command).startswith(".venv/bin/tensorboard"):
     _serves_the_logged_scalars(command, runner)

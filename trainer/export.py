@@ -23,14 +23,20 @@ from typing import Any
 from absl import app, flags
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("workdir", None, "The run's workdir (holding checkpoints/).")
-flags.DEFINE_string("out", None, "The directory to write config.json and model.safetensors to.")
-flags.DEFINE_integer("step", -1, "The checkpoint step (-1: the latest).")
-flags.DEFINE_integer("member", -1, "An ensemble checkpoint's member to export.")
-flags.DEFINE_string("config", None, "The run's config as JSON (default: <workdir>/config.json).")
-flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16", "float16"],
-                  "The dtype of the written tensors.")
 
+
+def _define_flags() -> None:
+  """The command line's flags (defined when run as a program, so importing this module
+  defines none)."""
+  flags.DEFINE_string("workdir", None, "The run's workdir (holding checkpoints/).")
+  flags.DEFINE_string("out", None, "The directory to write config.json and model.safetensors "
+                      "to.")
+  flags.DEFINE_integer("step", -1, "The checkpoint step (-1: the latest).")
+  flags.DEFINE_integer("member", -1, "An ensemble checkpoint's member to export.")
+  flags.DEFINE_string("config", None, "The run's config as JSON (default: "
+                      "<workdir>/config.json).")
+  flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16", "float16"],
+                    "The dtype of the written tensors.")
 
 def run_config(workdir: str, config_path: str | None) -> dict[str, Any]:
   """The run's config as a dict, from `config_path` or `<workdir>/config.json`."""
@@ -94,4 +100,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  _define_flags()
   app.run(main)

@@ -170,7 +170,7 @@ def model_fields(path: str) -> dict[str, Any]:
   return families.get(hf_config.get("model_type")).fields(hf_config)
 
 
-class Mapping_:
+class ResolvedRules:
   """The rules of a family resolved against one checkpoint's tensors (import), or against
   our model's fields alone (export)."""
 
@@ -198,7 +198,7 @@ def open_source(path: str):
   hf_config = read_config(path)
   family = families.get(hf_config.get("model_type"))
   fields = family.fields(hf_config)
-  mapping = Mapping_(family, fields)
+  mapping = ResolvedRules(family, fields)
   files = SafetensorsFiles(path)
   patterns = [(rule, _pattern(rule.hf, family.prefix)) for rule in mapping.rules]
   ignored = [_pattern(name, family.prefix) for name in family.ignored]
@@ -276,7 +276,7 @@ def export(values: Mapping[str, np.ndarray], fields: Mapping[str, Any], out_dir:
   from safetensors.numpy import save_file
 
   family = families.get(fields["family"], field="config.model.family")
-  mapping = Mapping_(family, fields)
+  mapping = ResolvedRules(family, fields)
   hf_config = family.hf_config(fields)
   tensors, used = {}, set()
   for rule in mapping.rules:

@@ -1,0 +1,56 @@
+r"""Fine-tuning a Hugging Face-format language model on a text file (examples/finetune_lm.py).
+
+    python examples/finetune_lm.py --workdir=/tmp/finetune
+    python examples/finetune_lm.py --config=configs/finetune_lm.py:lora --workdir=/tmp/lora
+
+`config.init_from.path` names the pretrained model: an HF directory (`config.json` +
+`model.safetensors`, or the sharded index form) of a family with a mapping (`gpt2`,
+`llama`); `config.model` is then read from its `config.json`. Empty, the example writes
+a small randomly initialised GPT-2 in HF format into the workdir and starts from that.
+
+Variants: `full` (every weight trains, FSDP over the devices) and `lora` (rank-8
+adapters on the attention and MLP kernels, everything else frozen).
+"""
+
+import ml_collections
+
+from configs import base, lm
+
+VARIANTS = ("full", "lora")
+
+
+def get_config(variant: str = "full") -> ml_collections.ConfigDict:
+  if variant not in VARIANTS:
+    raise ValueError(f"configs/finetune_lm.py:{variant}: the variant must be one of "
+                     f"{VARIANTS}.")
+  config = base.get_config()
+  config.trainer = "trainer.language_model:LanguageModelTrainer"
+  # The local base model when init_from.path is empty (a GPT-2 as HF's GPT2Config names
+  # it: n_layer, n_embd, n_head, n_inner, n_positions); the vocabulary is the tokenizer's.
+  config.model = ml_collections.ConfigDict(dict(
+      family="gpt2", vocab_size=512, num_layers=2, embed_dim=64, num_heads=4, mlp_dim=256,
+      max_len=128, layer_norm_epsilon=1e-5, dropout_rate=0.0))
+  config.seq_len = 64
+  config.batch_size = 16
+  config.eval_batch_size = 16
+  config.num_train_steps = 200
+  config.log_every_steps = 50
+  config.eval_every_steps = 0  # The example evaluates before and after.
+  config.optimizer = "adamw"
+  config.learning_rate = 1e-3
+  config.weight_decay = 0.01
+  config.schedule.name = "cosine"
+  config.schedule.warmup_steps = 10
+  config.checkpoint.every_steps = 0  # Saved at the end (and on a stop).
+
+  # FSDP: weights and optimizer state sharded over the data axis (configs/lm.py's rules).
+  config.strategy.name = "sharded_data_parallel"
+  config.strategy.mesh_shape = (-1,)
+  config.strategy.mesh_axes = ("data",)
+  config.strategy.logical_axis_rules = lm.rules(embed="data")
+  if variant == "lora":
+    config.lora.rank = 8
+    config.lora.alpha = 16.0
+    config.lora.targets = (".*attn/c_attn/kernel", ".*attn/c_proj/kernel", ".*mlp/.*/kernel")
+    config.learning_rate = 3e-3
+  return config
