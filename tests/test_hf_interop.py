@@ -190,6 +190,10 @@ def test_sharded_checkpoint_is_read_slice_by_slice(hf_models, tmp_path):
   assert os.path.isfile(os.path.join(directory, hf.INDEX))
   trainer = LanguageModelTrainer(_config(directory, "fsdp"))
   state = trainer.init_state(_batch())
+  # One file of the sharded form, named alone: its `config.json` beside it, half the tensors.
+  one_file = sorted(f for f in os.listdir(directory) if f.endswith(".safetensors"))[0]
+  with pytest.raises(ValueError, match=r"(?s)does not hold the 'llama' model .* missing"):
+    hf.open_source(os.path.join(directory, one_file))
   np.testing.assert_allclose(_our_logits(trainer, state), _hf_logits(model), atol=ATOL, rtol=0)
   files = trainer.states.source.handle
   largest = max(int(np.prod(files.shape(n))) * 4 for n in files.names())

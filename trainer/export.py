@@ -78,7 +78,7 @@ def export_checkpoint(workdir: str, out: str, *, step: int = -1, member: int = -
   values = source.read({"params": paths})["params"]
   if source.num_members:
     values = {p: np.asarray(x[member]) for p, x in values.items()}
-  values = lora.merged(values, dict(config.get("lora") or {}))
+  values = lora.merged(values, dict(config["lora"]) if "lora" in config else {})
   return hf.export(values, model, out, dtype=dtype)
 
 

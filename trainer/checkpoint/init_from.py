@@ -46,11 +46,10 @@ from etils import epath
 from flax import serialization
 
 from strategies.tree import key_name, keypath_str, to_host
+from trainer.checkpoint.source import Flat, Source
 from trainer.checkpoint.store import LAYOUT_ITEM, STATE_ITEM, Checkpointer, CheckpointError
 
 PyTree = Any
-#: The variables of one model as `{collection: {path: array or ShapeDtypeStruct}}`.
-Flat = dict[str, dict[str, Any]]
 
 IDENTITY = ((".*", r"\g<0>"),)
 
@@ -79,32 +78,6 @@ def variables_by_collection(params: PyTree, model_state: PyTree, *,
   elif jax.tree.leaves(model_state):
     out["model_state"] = _flatten(model_state)
   return out
-
-
-@dataclasses.dataclass
-class Source:
-  """What `init_from.path` holds: array metadata per collection, and how to read them.
-
-  Attributes:
-    description: the source, for messages.
-    num_members: the ensemble size of a checkpoint written by an ensemble (a
-      leading member axis on every array), 0 for one model.
-    arrays: `{collection: {path: shape}}` of the arrays (member axis included).
-    read: `{collection: [paths]} -> {collection: {path: np.ndarray}}`.
-    read_slice: `(collection, path, index) -> array[index]`, reading only that slice
-      (None: `read` the whole array, then index it).
-    complete: every array must go to a variable of the new model (an HF checkpoint: a
-      tensor left over means the mapping or the model is wrong).
-    handle: what the source keeps open (HF: its `SafetensorsFiles`), or None.
-  """
-
-  description: str
-  num_members: int
-  arrays: dict[str, dict[str, tuple[int, ...]]]
-  read: Callable[[Mapping[str, list[str]]], Flat]
-  read_slice: Callable[[str, str, Any], np.ndarray] | None = None
-  complete: bool = False
-  handle: Any = None
 
 
 def _shapes(tree: PyTree) -> dict[str, tuple[int, ...]]:

@@ -84,17 +84,17 @@ def _refuse_unless(hf_config: Mapping[str, Any], field: str, accepted: tuple,
 
 # -- GPT-2 -----------------------------------------------------------------------------
 
-def _gpt2_fields(c: Mapping[str, Any]) -> dict[str, Any]:
-  _refuse_unless(c, "activation_function", ("gelu_new", "gelu_pytorch_tanh"), "gelu_new")
-  _refuse_unless(c, "scale_attn_weights", (True,), True)
-  _refuse_unless(c, "tie_word_embeddings", (True,), True)
-  _refuse_unless(c, "add_cross_attention", (False,), False)
-  embed = int(c["n_embd"])
-  return dict(family="gpt2", vocab_size=int(c["vocab_size"]), num_layers=int(c["n_layer"]),
-              embed_dim=embed, num_heads=int(c["n_head"]),
-              mlp_dim=int(c.get("n_inner") or 4 * embed), max_len=int(c["n_positions"]),
-              layer_norm_epsilon=float(c.get("layer_norm_epsilon", 1e-5)),
-              dropout_rate=float(c.get("resid_pdrop", 0.1)))
+def _gpt2_fields(hf: Mapping[str, Any]) -> dict[str, Any]:
+  _refuse_unless(hf, "activation_function", ("gelu_new", "gelu_pytorch_tanh"), "gelu_new")
+  _refuse_unless(hf, "scale_attn_weights", (True,), True)
+  _refuse_unless(hf, "tie_word_embeddings", (True,), True)
+  _refuse_unless(hf, "add_cross_attention", (False,), False)
+  embed = int(hf["n_embd"])
+  return dict(family="gpt2", vocab_size=int(hf["vocab_size"]), num_layers=int(hf["n_layer"]),
+              embed_dim=embed, num_heads=int(hf["n_head"]),
+              mlp_dim=int(hf.get("n_inner") or 4 * embed), max_len=int(hf["n_positions"]),
+              layer_norm_epsilon=float(hf.get("layer_norm_epsilon", 1e-5)),
+              dropout_rate=float(hf.get("resid_pdrop", 0.1)))
 
 
 def _gpt2_hf_config(f: Mapping[str, Any]) -> dict[str, Any]:
@@ -143,32 +143,32 @@ GPT2 = Family("gpt2", "GPT2LMHeadModel", "transformer.", _gpt2_fields, _gpt2_hf_
 
 # -- Llama -----------------------------------------------------------------------------
 
-def _rope_theta(c: Mapping[str, Any]) -> float:
+def _rope_theta(hf: Mapping[str, Any]) -> float:
   """The rope base from either config form (transformers 5's `rope_parameters`, or the
   older `rope_theta` + `rope_scaling`); only the default (unscaled) rope is computed."""
-  params = c.get("rope_parameters") or {}
-  scaling = c.get("rope_scaling") or {}
+  params = hf.get("rope_parameters") or {}
+  scaling = hf.get("rope_scaling") or {}
   kind = params.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
   if kind != "default":
     raise UnsupportedModelError(
         f"the Hugging Face config has rope_type={kind!r}; this project's llama computes "
         f"only the default rope (no scaling).")
-  return float(params.get("rope_theta", c.get("rope_theta", 10000.0)))
+  return float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
 
 
-def _llama_fields(c: Mapping[str, Any]) -> dict[str, Any]:
-  _refuse_unless(c, "hidden_act", ("silu",), "silu")
-  _refuse_unless(c, "attention_bias", (False,), False)
-  _refuse_unless(c, "mlp_bias", (False,), False)
-  heads = int(c["num_attention_heads"])
-  return dict(family="llama", vocab_size=int(c["vocab_size"]),
-              num_layers=int(c["num_hidden_layers"]), embed_dim=int(c["hidden_size"]),
-              num_heads=heads, num_kv_heads=int(c.get("num_key_value_heads") or heads),
-              head_dim=int(c.get("head_dim") or int(c["hidden_size"]) // heads),
-              mlp_dim=int(c["intermediate_size"]),
-              max_len=int(c.get("max_position_embeddings", 2048)),
-              rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)), rope_theta=_rope_theta(c),
-              tie_word_embeddings=bool(c.get("tie_word_embeddings", False)))
+def _llama_fields(hf: Mapping[str, Any]) -> dict[str, Any]:
+  _refuse_unless(hf, "hidden_act", ("silu",), "silu")
+  _refuse_unless(hf, "attention_bias", (False,), False)
+  _refuse_unless(hf, "mlp_bias", (False,), False)
+  heads = int(hf["num_attention_heads"])
+  return dict(family="llama", vocab_size=int(hf["vocab_size"]),
+              num_layers=int(hf["num_hidden_layers"]), embed_dim=int(hf["hidden_size"]),
+              num_heads=heads, num_kv_heads=int(hf.get("num_key_value_heads") or heads),
+              head_dim=int(hf.get("head_dim") or int(hf["hidden_size"]) // heads),
+              mlp_dim=int(hf["intermediate_size"]),
+              max_len=int(hf.get("max_position_embeddings", 2048)),
+              rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)), rope_theta=_rope_theta(hf),
+              tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)))
 
 
 def _llama_hf_config(f: Mapping[str, Any]) -> dict[str, Any]:

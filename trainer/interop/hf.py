@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from trainer.checkpoint.source import Source
 from trainer.interop import families
 from trainer.interop.families import Family, Rule
 
@@ -193,8 +194,6 @@ def open_source(path: str):
     ValueError: an HF tensor no rule matches (and not a known buffer), a rule with no
       tensor, a layer missing, or a tensor whose shape the model's widths cannot hold.
   """
-  from trainer.checkpoint.init_from import Source
-
   hf_config = read_config(path)
   family = families.get(hf_config.get("model_type"))
   fields = family.fields(hf_config)
