@@ -88,11 +88,8 @@ def write_base_model(config, directory: str) -> None:
   from trainer.interop import hf
 
   trainer = LanguageModelTrainer(config)
-  abstract = trainer.states.abstract(_batches(config, [0] * (config.seq_len + 1), 0, 1)[0])
-  params = jax.jit(lambda rng: trainer.steps.init_fn(
-      _batches(config, [0] * (config.seq_len + 1), 0, 1)[0])(rng).params)(
-      jax.random.PRNGKey(config.seed))
-  del abstract
+  init = trainer.steps.init_fn(_batches(config, [0] * (config.seq_len + 1), 0, 1)[0])
+  params = jax.jit(lambda rng: init(rng).params)(jax.random.PRNGKey(config.seed))
   values = variables_by_collection(jax.device_get(params), {}, linen=True)["params"]
   hf.export(values, config.model.to_dict(), directory)
 
