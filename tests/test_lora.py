@@ -122,6 +122,11 @@ def test_adapters_are_laid_out_like_their_weights_and_optimizer_bytes_fall(train
   assert spec(c_fc["kernel"])[:2] == (None, "data")
   assert spec(c_fc["kernel_lora_a"])[:2] == (None, "data")
   batch = next(_stream(0))
+  # Tensor parallel maps mlp -> model: the kernel [layer, embed, mlp] and its B [layer, rank,
+  # mlp] are split over the model axis alike.
+  tensor = LanguageModelTrainer(_config("data_tensor")).init_state(batch).params
+  c_fc = tensor["blocks"]["mlp"]["c_fc"]
+  assert spec(c_fc["kernel"])[2] == "model" and spec(c_fc["kernel_lora_b"])[2] == "model"
   full = make_plan(LanguageModelTrainer(_config(rank=0)), batch)
   adapted = make_plan(trainer, batch)
   adapter_bytes = sum(shard_bytes(nn.meta.unbox(x)) for p, x in
