@@ -177,6 +177,10 @@ def test_what_cannot_work_is_refused_before_compute():
   config.lora.rank = -1
   with pytest.raises(ValueError, match=r"config.lora.rank=-1 must be a positive integer"):
     LanguageModelTrainer(config)
+  # Under a pipeline the adapters would be silently unused (the stack applies its layers
+  # outside Qwix's interception): refused.
+  with pytest.raises(ValueError, match=r"config.lora with config.strategy.mesh_axes=.*'stage'"):
+    LanguageModelTrainer(_config("pipeline_tensor"))
   config = _config()
   config.freeze = ("ln_f/.*",)
   with pytest.raises(ValueError, match=r"config.freeze=\('ln_f/.\*',\) with config.lora"):

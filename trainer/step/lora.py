@@ -16,7 +16,9 @@ parameter that is not an adapter is frozen: zero updates and no optimizer state
 an export writes.
 
 Linen modules only: Qwix's NNX LoRA creates the adapters during an eager call of
-the model, which a scanned or pipelined `NnxLayerStack` cannot host.
+the model, which a scanned or pipelined `NnxLayerStack` cannot host. Not under a
+pipeline (a `stage` mesh axis): the pipelined stack applies its layers outside
+Qwix's interception, so that is refused.
 """
 
 from __future__ import annotations
@@ -83,6 +85,13 @@ class Lora:
     if tuple(config.freeze):
       raise ValueError(f"config.freeze={tuple(config.freeze)} with config.lora: LoRA freezes "
                        f"every weight but the adapters already; leave config.freeze empty.")
+    from strategies.pipeline import STAGE_AXIS
+    if STAGE_AXIS in tuple(config.strategy.mesh_axes):
+      raise ValueError(
+          f"config.lora with config.strategy.mesh_axes={tuple(config.strategy.mesh_axes)}: a "
+          f"pipelined layer stack applies its layers outside Qwix's interception, so the "
+          f"adapters would not be applied; LoRA runs under layouts without a "
+          f"{STAGE_AXIS!r} axis (data, FSDP, tensor parallel).")
     return cls(int(spec.rank), float(spec.alpha), targets)
 
   def matched(self, paths: list[str]) -> list[str]:
