@@ -341,19 +341,20 @@ def _member(member: int, source: Source, num_members: int) -> int | None:
   return None
 
 
-def _reader(plan_: Plan, collection: str, path: str, *, num_members: int
-            ) -> Callable[[tuple], np.ndarray]:
+def _reader(plan_: Plan, collection: str, path: str, *, num_members: int,
+            whole: Flat | None) -> Callable[[tuple], np.ndarray]:
   """`index of the new array -> its values`: the source's slice of the old array that
-  `path` comes from, with the member axis picked or broadcast as the plan says."""
+  `path` comes from, with the member axis picked or broadcast as the plan says.
+
+  Args:
+    whole: a source without slices, read whole (None: the source reads slices).
+  """
   source, old = plan_.source, plan_.mapped[collection][path]
-  cached: dict[str, np.ndarray] = {}
 
   def read(index):
-    if source.read_slice is not None:
+    if whole is None:
       return source.read_slice(collection, old, index)
-    if old not in cached:  # A source without slices is read whole, once.
-      cached[old] = source.read({collection: [old]})[collection][old]
-    return cached[old][tuple(index)]
+    return whole[collection][old][tuple(index)]
 
   def sliced(index):
     index = tuple(index)
@@ -390,12 +391,16 @@ def start_from(plan_: Plan, strategy: Any, state: PyTree, abstract_state: PyTree
   num_members = strategy.checkpoint_layout()["num_members"]
   target = strategy.checkpoint_target(abstract_state)
   current = strategy.checkpoint_state(state)
+  whole = None  # A source that cannot read slices is read in one call, as a whole.
+  if plan_.source.read_slice is None:
+    whole = plan_.source.read({c: sorted(set(m.values())) for c, m in plan_.mapped.items()
+                               if m})
 
   def place(collection: str, tree: PyTree, targets: PyTree) -> PyTree:
     def leaf(path, x, t):
       name = _name(path)
       if name in plan_.mapped.get(collection, {}):
-        read = _reader(plan_, collection, name, num_members=num_members)
+        read = _reader(plan_, collection, name, num_members=num_members, whole=whole)
         return jax.make_array_from_callback(
             t.shape, t.sharding, lambda index: np.asarray(read(index), dtype=t.dtype))
       host = to_host(x)  # A fresh variable keeps its initial value.

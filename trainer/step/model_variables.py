@@ -139,12 +139,6 @@ def create(model: Any, *, sync_batchnorm: bool = False,
   """
   if isinstance(model, nn.Module):
     return LinenVariables(model, sync_batchnorm=sync_batchnorm, remat=remat, lora=lora)
-  if lora is not None and callable(model) and not isinstance(model, nnx.Module):
-    raise ValueError(
-        "config.lora: this model is an NNX one; LoRA here is Qwix's for Linen modules (Qwix "
-        "creates NNX adapters during an eager call, which a scanned or pipelined "
-        "NnxLayerStack cannot host). Train it without config.lora, or freeze layers with "
-        "config.freeze.")
   if isinstance(model, nnx.Module):
     raise TypeError(
         f"build_model returned an nnx.Module instance ({type(model).__name__}); return its "
@@ -153,6 +147,12 @@ def create(model: Any, *, sync_batchnorm: bool = False,
         f"every seed and ensemble member gets its own parameters, created where the "
         f"strategy places them.")
   if callable(model):
+    if lora is not None:
+      raise ValueError(
+          "config.lora: this model is an NNX one; LoRA here is Qwix's for Linen modules (Qwix "
+          "creates NNX adapters during an eager call, which a scanned or pipelined "
+          "NnxLayerStack cannot host). Train it without config.lora, or freeze layers with "
+          "config.freeze.")
     return NnxVariables(model, sync_batchnorm=sync_batchnorm, remat=remat)
   raise TypeError(f"build_model returned {model!r}; expected a flax.linen Module or a "
                   f"factory `rngs -> nnx.Module`.")
@@ -188,10 +188,11 @@ class LinenVariables(ModelVariables):
 
   def _with_lora(self, args: tuple, kwargs: dict) -> nn.Module:
     """The module, with Qwix's adapters on the weights `config.lora.targets` match (found
-    from the parameter paths of an abstract init, once)."""
+    from the parameter paths of an abstract init in eval mode, once)."""
     if self._lora is None:
       return self._module
     if self._adapted is None:
+      kwargs = {**kwargs, **{name: _mode_value(name, False) for name in self._mode_args}}
       import qwix
 
       from strategies.tree import keypath_str
@@ -216,9 +217,7 @@ class LinenVariables(ModelVariables):
     kwargs = dict(kwargs)
     for name in self._mode_args:
       kwargs.setdefault(name, _mode_value(name, train))
-    eval_kwargs = {**kwargs, **{name: _mode_value(name, False) for name in self._mode_args}}
-    module = self._with_lora(args, eval_kwargs)
-    return _with_mode_fields(module, train), args, kwargs
+    return _with_mode_fields(self._with_lora(args, kwargs), train), args, kwargs
 
   def init(self, rngs: Rngs, inputs: Inputs) -> tuple[PyTree, PyTree]:
     module, args, kwargs = self._in_mode(inputs, train=False)
