@@ -38,6 +38,12 @@ def rules(**mapped: str) -> tuple:
   return (("batch", "data"),) + tuple((name, mapped.get(name)) for name in NAMES)
 
 
+#: The fields only some families have, None (the family's default) unless set by flag:
+#: llama's key/value heads, RMSNorm epsilon, rope base and tied head; gpt2's LayerNorm
+#: epsilon and dropout. A family refuses a field it does not have that is set.
+FAMILY_FIELDS = dict(num_kv_heads=None, rms_norm_eps=None, rope_theta=None,
+                     tie_word_embeddings=None, layer_norm_epsilon=None, dropout_rate=None)
+
 _TENSOR = dict(heads="model", mlp="model", vocab="model")
 LAYOUTS = {
     #           mesh_shape, mesh_axes, rules
@@ -66,9 +72,12 @@ def get_config(layout: str = "data_parallel") -> ml_collections.ConfigDict:
     raise ValueError(f"configs/lm.py:{layout}: the layout must be one of {tuple(LAYOUTS)}.")
   config = base.get_config()
   config.trainer = "trainer.language_model:LanguageModelTrainer"
+  # `family` picks the module (trainer.language_model.language_model): `transformer`
+  # (models.TransformerLM), `gpt2` or `llama` (the Hugging Face families' modules), so every
+  # layout runs every family by flag: --config.model.family=gpt2.
   config.model = ml_collections.ConfigDict(dict(
-      vocab_size=64, num_layers=2, embed_dim=64, num_heads=8, head_dim=8, mlp_dim=256,
-      max_len=64))
+      family="transformer", vocab_size=64, num_layers=2, embed_dim=64, num_heads=8,
+      head_dim=8, mlp_dim=256, max_len=64, **FAMILY_FIELDS))
   config.seq_len = 32
   config.batch_size = 32
   config.eval_batch_size = 32

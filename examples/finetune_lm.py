@@ -136,6 +136,7 @@ def sample(trainer, state, tokenizer, prompts, config, *, tokens: int, seed: int
     logits, _ = trainer.model_variables.apply(params, model_state, ((window,), {}),
                                               rngs={"dropout": jax.random.PRNGKey(0)},
                                               train=False)
+    logits = logits[..., :config.model.vocab_size]  # A vocabulary padded to the mesh: real ids.
     return jnp.take_along_axis(logits, position[:, None, None], axis=1)[:, 0]
 
   params = jax.tree.map(jnp.asarray, canonical.params)
@@ -216,10 +217,13 @@ def finetune(config, workdir: str) -> None:
       step += 1
 
   try:
+    # The loaded model, evaluated, is the state training starts from (one init, not two);
+    # a rerun in the same workdir resumes from its latest checkpoint instead.
+    fresh = checkpointer.latest_step() is None
     state = trainer.init_state(held_out[0])
     before = trainer.evaluate(state, held_out)["loss"]
     result = trainer.fit(stream, num_steps=config.num_train_steps, checkpointer=checkpointer,
-                         writer=writer, workdir=workdir)
+                         writer=writer, workdir=workdir, state=state if fresh else None)
   finally:
     checkpointer.close()
     writer.close()

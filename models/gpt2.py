@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from models.layer_stack import LayerStack
+from models.vocab import mask_padding, padded_size
 
 _init = nn.initializers.normal(stddev=0.02)
 
@@ -123,20 +124,25 @@ class GPT2LM(nn.Module):
   Attributes:
     vocab_size, max_len: HF's `vocab_size`, `n_positions`.
     num_layers, embed_dim, num_heads: `n_layer`, `n_embd`, `n_head`.
+    head_dim: `embed_dim // num_heads` (GPT-2 has no other); None takes it.
     mlp_dim: `n_inner` (HF's default: `4 * n_embd`).
     layer_norm_epsilon: HF's `layer_norm_epsilon`.
     dropout_rate: one rate for the residual, attention and embedding dropout (HF's
       `resid_pdrop`, `attn_pdrop`, `embd_pdrop`), active when `train=True`.
+    vocab_multiple: the embedding's rows are `vocab_size` rounded up to a multiple of this
+      (`models.vocab`); the padded logits are masked out of the softmax.
   """
 
   vocab_size: int
   num_layers: int = 2
   embed_dim: int = 64
   num_heads: int = 4
+  head_dim: int | None = None
   mlp_dim: int = 256
   max_len: int = 128
   layer_norm_epsilon: float = 1e-5
   dropout_rate: float = 0.0
+  vocab_multiple: int = 1
 
   @nn.compact
   def __call__(self, tokens: jax.Array, train: bool = False) -> jax.Array:
@@ -146,7 +152,12 @@ class GPT2LM(nn.Module):
     if self.embed_dim % self.num_heads:
       raise ValueError(f"embed_dim={self.embed_dim} must be a multiple of "
                        f"num_heads={self.num_heads}")
-    embedding = nn.Embed(self.vocab_size, self.embed_dim, name="token_embedding",
+    if self.head_dim not in (None, self.embed_dim // self.num_heads):
+      raise ValueError(f"config.model.head_dim={self.head_dim}: GPT-2's head width is "
+                       f"embed_dim / num_heads = {self.embed_dim // self.num_heads}; leave it "
+                       f"None or set that.")
+    rows = padded_size(self.vocab_size, self.vocab_multiple)
+    embedding = nn.Embed(rows, self.embed_dim, name="token_embedding",
                          embedding_init=_param(_init, ("vocab", "embed")))
     positions = self.param("position_embedding", _param(nn.initializers.normal(0.01),
                                                         ("length", "embed")),
@@ -159,5 +170,5 @@ class GPT2LM(nn.Module):
                  dropout_rate=self.dropout_rate, deterministic=not train)
     x = LayerStack(GPT2Block, self.num_layers, block, name="blocks")(x)
     x = _norm("ln_f", self.layer_norm_epsilon)(x)
-    logits = embedding.attend(x)
+    logits = mask_padding(embedding.attend(x), self.vocab_size)
     return nn.with_logical_constraint(logits, ("batch", "length", "vocab"))

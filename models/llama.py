@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.layer_stack import NnxLayerStack
+from models.vocab import mask_padding, padded_size
 
 _init = nnx.initializers.normal(stddev=0.02)
 
@@ -102,19 +103,23 @@ class LlamaLM(nnx.Module):
   `num_layers` (`num_hidden_layers`), `embed_dim` (`hidden_size`), `num_heads`
   (`num_attention_heads`), `num_kv_heads` (`num_key_value_heads`), `head_dim`,
   `mlp_dim` (`intermediate_size`), `max_len` (`max_position_embeddings`),
-  `rms_norm_eps`, `rope_theta`, `tie_word_embeddings`.
+  `rms_norm_eps`, `rope_theta`, `tie_word_embeddings`; `vocab_multiple`: the embedding's
+  and head's rows are `vocab_size` rounded up to a multiple of it (`models.vocab`), the
+  padded logits masked out of the softmax.
   """
 
   def __init__(self, vocab_size: int, num_layers: int = 2, embed_dim: int = 64,
                num_heads: int = 4, num_kv_heads: int = 2, head_dim: int = 16,
                mlp_dim: int = 128, max_len: int = 128, rms_norm_eps: float = 1e-6,
-               rope_theta: float = 10000.0, tie_word_embeddings: bool = False, *,
-               rngs: nnx.Rngs):
+               rope_theta: float = 10000.0, tie_word_embeddings: bool = False,
+               vocab_multiple: int = 1, *, rngs: nnx.Rngs):
     if num_heads % num_kv_heads:
       raise ValueError(f"num_heads={num_heads} must be a multiple of "
                        f"num_kv_heads={num_kv_heads} (grouped-query attention).")
     self.max_len, self.tie_word_embeddings = max_len, tie_word_embeddings
-    self.embed_tokens = nnx.Embed(vocab_size, embed_dim,
+    self.vocab_size = vocab_size
+    rows = padded_size(vocab_size, vocab_multiple)
+    self.embed_tokens = nnx.Embed(rows, embed_dim,
                                   embedding_init=_with(("vocab", "embed")), rngs=rngs)
     self.blocks = NnxLayerStack(
         lambda rngs: LlamaBlock(embed_dim, num_heads, num_kv_heads, head_dim, mlp_dim,
@@ -122,7 +127,7 @@ class LlamaLM(nnx.Module):
         num_layers, rngs=rngs)
     self.norm = _rms_norm(embed_dim, rms_norm_eps, rngs)
     self.lm_head = None if tie_word_embeddings else nnx.Linear(
-        embed_dim, vocab_size, use_bias=False, kernel_init=_with(("embed", "vocab")),
+        embed_dim, rows, use_bias=False, kernel_init=_with(("embed", "vocab")),
         rngs=rngs)
 
   def __call__(self, tokens: jax.Array) -> jax.Array:
@@ -131,4 +136,5 @@ class LlamaLM(nnx.Module):
     x = nn.with_logical_constraint(self.embed_tokens(tokens), ("batch", "length", "embed"))
     x = self.norm(self.blocks(x))
     logits = (self.embed_tokens.attend(x) if self.lm_head is None else self.lm_head(x))
+    logits = mask_padding(logits, self.vocab_size)
     return nn.with_logical_constraint(logits, ("batch", "length", "vocab"))

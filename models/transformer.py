@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from models.layer_stack import LayerStack
+from models.vocab import mask_padding, padded_size
 
 _init = nn.initializers.normal(stddev=0.02)
 
@@ -69,6 +70,9 @@ class TransformerLM(nn.Module):
       stages under a strategy with a `stage` mesh axis).
     embed_dim, num_heads, head_dim, mlp_dim: widths (`embed`, `heads`, `kv`, `mlp`).
     max_len: the longest sequence the learned position embedding covers.
+    vocab_multiple: the embedding and head rows are `vocab_size` rounded up to a multiple
+      of this (`models.vocab`: what a layout that splits `vocab` needs); the padded
+      logits are masked out of the softmax.
   """
 
   vocab_size: int
@@ -78,13 +82,15 @@ class TransformerLM(nn.Module):
   head_dim: int = 16
   mlp_dim: int = 256
   max_len: int = 128
+  vocab_multiple: int = 1
 
   @nn.compact
   def __call__(self, tokens: jax.Array) -> jax.Array:
     length = tokens.shape[1]
     if length > self.max_len:
       raise ValueError(f"sequence length {length} exceeds max_len={self.max_len}")
-    x = nn.Embed(self.vocab_size, self.embed_dim, name="token_embedding",
+    rows = padded_size(self.vocab_size, self.vocab_multiple)
+    x = nn.Embed(rows, self.embed_dim, name="token_embedding",
                  embedding_init=_param(_init, ("vocab", "embed")))(tokens)
     positions = self.param("position_embedding", _param(_init, ("length", "embed")),
                            (self.max_len, self.embed_dim))
@@ -93,6 +99,7 @@ class TransformerLM(nn.Module):
     x = LayerStack(DecoderBlock, self.num_layers, block, name="blocks")(x)
     x = nn.LayerNorm(name="final_norm", scale_init=_param(nn.initializers.ones, ("embed",)),
                      bias_init=_param(nn.initializers.zeros, ("embed",)))(x)
-    logits = nn.Dense(self.vocab_size, use_bias=False, name="logits",
+    logits = nn.Dense(rows, use_bias=False, name="logits",
                       kernel_init=_param(_init, ("embed", "vocab")))(x)
+    logits = mask_padding(logits, self.vocab_size)
     return nn.with_logical_constraint(logits, ("batch", "length", "vocab"))

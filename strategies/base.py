@@ -58,6 +58,13 @@ class Strategy(abc.ABC):
   def num_devices(self) -> int:
     """How many devices a step runs on (over every process)."""
 
+  def shards_of(self, logical_name: str) -> int:
+    """How many pieces this layout splits a parameter dimension annotated `logical_name`
+    into (1: whole on every device): what that width must be a multiple of (a model pads
+    its vocabulary to it, `models.vocab`)."""
+    del logical_name
+    return 1
+
   def check_batch_size(self, global_batch_size: int) -> None:
     """Raises ValueError unless the global batch splits evenly over the data replicas."""
     replicas = self.num_data_replicas

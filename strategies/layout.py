@@ -18,10 +18,11 @@ the same way under `Auto` and `Explicit` mesh axes:
 
 The table itself is checked against the parameters before anything is
 placed (`check_layout`): two rules for one logical name, two dimensions of one
-parameter on one mesh axis, a parameter rule that matches nothing, and a
-parameter larger than `max_replicated_mb` replicated over a mesh axis that
-does not split the batch (a model axis) are errors or warnings naming the
-parameter paths, their shapes and the rule.
+parameter on one mesh axis, a parameter rule that matches nothing, a dimension
+the mesh axes it is split over do not divide (a published width: 6 heads over 4
+devices), and a parameter larger than `max_replicated_mb` replicated over a mesh
+axis that does not split the batch (a model axis) are errors or warnings naming
+the parameter paths, their shapes and the rule.
 """
 
 from __future__ import annotations
@@ -171,6 +172,7 @@ def check_layout(abstract_state: PyTree, rules: LogicalRules, mesh_shape: Mappin
   leaves = annotations(abstract_state)
   used = _check_names(leaves, rules, mesh_shape)
   _check_rules_match(used, rules)
+  _check_divisible(leaves, rules, mesh_shape)
   _check_replicated(leaves, rules, mesh_shape, batch_axes, max_replicated_mb)
 
 
@@ -221,6 +223,31 @@ def _check_names(leaves: list, rules: LogicalRules, mesh_shape: Mapping[str, int
         f"axis, add a rule ({name!r}, <mesh axis>), or ({name!r}, None) to replicate it on "
         f"purpose{others}.")
   return used
+
+
+def _check_divisible(leaves: list, rules: LogicalRules, mesh_shape: Mapping[str, int]) -> None:
+  """Raises for a parameter dimension that its mesh axes cannot split evenly (jax would raise
+  `IndivisibleError` naming neither the parameter nor the rule)."""
+  table, devices = dict(rules), math.prod(mesh_shape.values())
+  for path, shape, _, names, _ in leaves:
+    spec = resolve(names, rules, tuple(mesh_shape))
+    for dim, (size, entry, names_here) in enumerate(zip(shape, spec, names, strict=False)):
+      axes = axis_names(entry)
+      pieces = math.prod(mesh_shape[a] for a in axes)
+      if size % pieces == 0:
+        continue
+      by = [f"the rule {(n, table[n])!r}" if n in table else f"mesh axis {n!r} as annotated"
+            for n in axis_names(names_here)]
+      sizes = ", ".join(f"{a}={mesh_shape[a]}" for a in axes)
+      fits = [d for d in range(1, devices + 1) if size % d == 0 and devices % d == 0]
+      raise ValueError(
+          f"parameter {path!r} {shape}: dimension {dim} of size {size} (annotated "
+          f"{names_here!r}) is split over mesh axis {' x '.join(axes)} ({sizes}: {pieces} "
+          f"pieces) by {' and '.join(by)} of config.strategy.logical_axis_rules, and "
+          f"{pieces} does not divide {size}. Mesh sizes that divide it on "
+          f"{devices} devices: {fits}; change config.strategy.mesh_shape so that "
+          f"{' x '.join(axes)} is one of them, map "
+          f"{axis_names(names_here)[0]!r} to another mesh axis, or to None (replicated).")
 
 
 def _check_rules_match(used: set, rules: LogicalRules) -> None:

@@ -140,6 +140,10 @@ class ShardedDataParallel(GlobalMeshBatch, Strategy):
   def num_data_replicas(self) -> int:
     return math.prod(self.mesh.shape[a] for a in self.batch_axes)
 
+  def shards_of(self, logical_name: str) -> int:
+    spec = layout.resolve((logical_name,), self.rules, self.mesh.axis_names)
+    return math.prod(self.mesh.shape[a] for a in layout.axis_names(spec[0]))
+
   @contextlib.contextmanager
   def _context(self):
     """The mesh, and under `auto` the rules Flax's logical constraints read while tracing.

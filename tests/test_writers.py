@@ -57,3 +57,28 @@ def test_unknown_writers_are_refused_naming_the_accepted_ones(tmp_path):
                                        r"'jsonl', 'wandb'\)"):
     writers.create_writer(str(tmp_path), ("jsonl", "mlflow"))
   assert not list(tmp_path.iterdir())
+
+
+def test_tensorboard_events_are_written_without_importing_tensorflow(tmp_path):
+  """`create_writer`'s TensorBoard file, in a fresh interpreter that never imports TensorFlow
+  (clu's writers import it: seconds before a first step); TensorFlow's own reader then reads
+  the scalars and the hyperparameters' summary back."""
+  import subprocess
+  import sys
+  script = (
+      "import sys\n"
+      "from trainer import writers\n"
+      f"w = writers.create_writer({str(tmp_path)!r}, ('tensorboard',))\n"
+      "w.write_hparams({'learning_rate': 0.1, 'model': {'width': 8}})\n"
+      "w.write_scalars(3, {'train/loss': 0.5, 'eval/accuracy': 1})\n"
+      "w.close()\n"
+      "assert 'tensorflow' not in sys.modules, 'tensorflow imported'\n")
+  subprocess.run([sys.executable, "-c", script], check=True, timeout=120)
+  import tensorflow as tf
+  (events,) = tmp_path.glob("events.out.tfevents.*")
+  seen = {(e.step, v.tag): v for e in tf.compat.v1.train.summary_iterator(str(events))
+          for v in e.summary.value}
+  assert seen[(3, "train/loss")].simple_value == 0.5
+  assert seen[(3, "eval/accuracy")].simple_value == 1.0
+  assert (0, "_hparams_/session_start_info") in seen
+  assert b"learning_rate" in seen[(0, "_hparams_/session_start_info")].metadata.plugin_data.content

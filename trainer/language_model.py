@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 
 import flax.linen as nn
@@ -17,11 +18,39 @@ def language_model(family: str = "transformer", **fields):
   """The module `config.model` describes: `models.TransformerLM(**fields)`, or with
   `family='gpt2'` / `'llama'` the module whose weights are that Hugging Face family's
   (`trainer.interop.families`; `trainer.interop.hf.model_fields(path)` reads a published
-  checkpoint's fields)."""
+  checkpoint's fields).
+
+  A field that is None takes the family's default (`configs/lm.py` declares every
+  family's fields so that each layout runs each family by flag).
+
+  Raises:
+    ValueError: a field set (not None) that the family's module does not have.
+  """
+  fields = {name: value for name, value in fields.items() if value is not None}
   if family == "transformer":
-    return models.TransformerLM(**fields)
-  from trainer.interop import families
-  return families.get(family, field="config.model.family").build(fields)
+    module, accepted = models.TransformerLM, _field_names(models.TransformerLM)
+  else:
+    from trainer.interop import families
+    module = families.get(family, field="config.model.family").build
+    accepted = _field_names(families.get(family).module())
+  unknown = sorted(set(fields) - set(accepted))
+  if unknown:
+    raise ValueError(f"config.model.{unknown[0]}={fields[unknown[0]]!r}: the {family!r} "
+                     f"family's model has no such field (it takes {sorted(accepted)}); leave "
+                     f"it None, or pick the family that has it (config.model.family).")
+  return module(fields) if family != "transformer" else module(**fields)
+
+
+def _field_names(module) -> tuple[str, ...]:
+  """The fields a model class takes: a Linen module's dataclass fields, an NNX module's
+  keyword arguments."""
+  import dataclasses
+  import inspect
+
+  if dataclasses.is_dataclass(module):
+    return tuple(f.name for f in dataclasses.fields(module) if f.name not in ("parent", "name"))
+  return tuple(p for p in inspect.signature(module.__init__).parameters
+               if p not in ("self", "rngs"))
 
 
 class LanguageModelTrainer(Trainer):
@@ -35,7 +64,17 @@ class LanguageModelTrainer(Trainer):
   target_key = "targets"
 
   def build_model(self) -> nn.Module:
-    return language_model(**self.config.model.to_dict())
+    """`language_model(**config.model)` with its vocabulary padded to a multiple of the
+    pieces the layout splits `vocab` into (`models.vocab`; `config.model.vocab_multiple`,
+    where set, is a multiple too)."""
+    fields = self.config.model.to_dict()
+    fields["vocab_multiple"] = math.lcm(fields.pop("vocab_multiple", 1),
+                                       self.strategy.shards_of("vocab"))
+    return language_model(**fields)
+
+  def prediction(self, outputs: jax.Array) -> jax.Array:
+    """Next-token probabilities over the real vocabulary (the padded columns dropped)."""
+    return jax.nn.softmax(outputs[..., :self.config.model.vocab_size], axis=-1)
 
   def loss(self, logits: jax.Array, batch: Batch) -> jax.Array:
     per_token = optax.softmax_cross_entropy_with_integer_labels(logits, batch[self.target_key])

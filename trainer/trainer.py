@@ -260,8 +260,8 @@ class Trainer(abc.ABC):
       ValueError: an early-stopping or profile setting that cannot work (before any step).
     """
     if writer is None:
-      from clu import metric_writers  # Imports TensorFlow: only when it is needed.
-      writer = metric_writers.LoggingWriter()
+      from trainer.writers import LoggingWriter
+      writer = LoggingWriter()
     after_eval = [] if self.sweep is None else sweep_lib.actions(
         self.sweep, self.config, strategy=self.strategy, writer=writer,
         evaluate_members=self.evaluator.evaluate_members, eval_batches=eval_batches,

@@ -1,22 +1,37 @@
-"""Metric writers: TensorBoard and console through clu, a `metrics.jsonl` file, and
-Weights & Biases (optional: `pip install ".[wandb]"`), chosen by `config.writers`."""
+"""Metric writers: the console, TensorBoard event files, a `metrics.jsonl` file, and
+Weights & Biases (optional: `pip install ".[wandb]"`), chosen by `config.writers`.
+
+Each is a clu `MetricWriter` by its methods (`write_scalars`, `write_hparams`, ...,
+`flush`, `close`), so a clu writer can be passed wherever these are. They do not import
+`clu.metric_writers`: that package imports TensorFlow (and Keras) for its TensorBoard
+writer, seconds before a first step in a run that reads no TFDS data. TensorBoard's event
+files are written with the `tensorboard` package's own `EventFileWriter` and summary
+protos, which TensorBoard reads as it reads TensorFlow's.
+"""
 
 from __future__ import annotations
 
 import json
 import os
+import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
-from clu import metric_writers
+from absl import logging
 
 JSONL_NAME = "metrics.jsonl"
 
 
-class ScalarWriter(metric_writers.MetricWriter):
-  """A writer of scalars (and hyperparameters) only: every other kind is dropped."""
+class ScalarWriter:
+  """A writer of scalars (and hyperparameters) only: every other kind is dropped.
+
+  The methods are clu's `MetricWriter` interface.
+  """
+
+  def write_scalars(self, step: int, scalars: Mapping[str, Any]):
+    raise NotImplementedError
 
   def write_summaries(self, step, values, metadata=None):
     pass
@@ -38,6 +53,102 @@ class ScalarWriter(metric_writers.MetricWriter):
 
   def write_hparams(self, hparams):
     pass
+
+  def flush(self):
+    pass
+
+  def close(self):
+    pass
+
+
+class LoggingWriter(ScalarWriter):
+  """The console: one INFO line per write, `[step] name=value, ...`, as clu's LoggingWriter
+  writes it."""
+
+  def write_scalars(self, step: int, scalars: Mapping[str, Any]):
+    values = [f"{k}={v:.6g}" if isinstance(v, float) else f"{k}={v}"
+              for k, v in sorted(scalars.items())]
+    logging.info("[%d] %s", step, ", ".join(values))
+
+  def write_hparams(self, hparams: Mapping[str, Any]):
+    logging.info("[Hyperparameters] %s", hparams)
+
+
+class TensorBoardWriter(ScalarWriter):
+  """A TensorBoard event file in `logdir` (scalars, and hyperparameters for its HParams tab).
+
+  Records are written with tensorboard's `RecordWriter` to a plain file, flushed at each
+  write: tensorboard's `EventFileWriter` would reach `tf.io.gfile`, which imports
+  TensorFlow wherever it is installed.
+  """
+
+  def __init__(self, logdir: str):
+    import socket
+
+    from tensorboard.summary.writer.record_writer import RecordWriter
+    name = f"events.out.tfevents.{time.time():.6f}.{socket.gethostname()}.{os.getpid()}"
+    self._file = open(os.path.join(logdir, name), "wb")  # noqa: SIM115 -- close().
+    self._records = RecordWriter(self._file)
+    self._add(event_kwargs=dict(file_version="brain.Event:2"))
+
+  def _add(self, summary=None, step: int = 0, event_kwargs=None) -> None:
+    from tensorboard.compat.proto import event_pb2
+    event = event_pb2.Event(step=int(step), wall_time=time.time(), **(event_kwargs or {}))
+    if summary is not None:
+      event.summary.CopyFrom(summary)
+    self._records.write(event.SerializeToString())
+    self._file.flush()
+
+  def write_scalars(self, step: int, scalars: Mapping[str, Any]):
+    from tensorboard.compat.proto import summary_pb2
+    self._add(summary_pb2.Summary(value=[
+        summary_pb2.Summary.Value(tag=k, simple_value=float(v)) for k, v in scalars.items()]),
+        step)
+
+  def write_hparams(self, hparams: Mapping[str, Any]):
+    from tensorboard.plugins.hparams import summary_v2
+    kept = {k: v for k, v in _flat(hparams).items() if isinstance(v, bool | int | float | str)}
+    self._add(summary_v2.hparams_pb(kept))
+
+  def flush(self):
+    self._file.flush()
+
+  def close(self):
+    self._file.close()
+
+
+def _flat(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+  """A nested dict's leaves under `a.b` names; a sequence as its string."""
+  out = {}
+  for k, v in tree.items():
+    if isinstance(v, Mapping):
+      out.update(_flat(v, f"{prefix}{k}."))
+    else:
+      out[f"{prefix}{k}"] = str(v) if isinstance(v, Sequence) and not isinstance(v, str) else v
+  return out
+
+
+class MultiWriter(ScalarWriter):
+  """Every write to each of `writers`, in order."""
+
+  def __init__(self, writers: Sequence[Any]):
+    self._writers = list(writers)
+
+  def write_scalars(self, step, scalars):
+    for w in self._writers:
+      w.write_scalars(step, scalars)
+
+  def write_hparams(self, hparams):
+    for w in self._writers:
+      w.write_hparams(hparams)
+
+  def flush(self):
+    for w in self._writers:
+      w.flush()
+
+  def close(self):
+    for w in self._writers:
+      w.close()
 
 
 class JsonlWriter(ScalarWriter):
@@ -129,8 +240,7 @@ def check_writers(kinds) -> tuple[str, ...]:
   return kinds
 
 
-def create_writer(workdir: str, kinds=("tensorboard", "jsonl"),
-                  config: Any = None) -> metric_writers.MetricWriter:
+def create_writer(workdir: str, kinds=("tensorboard", "jsonl"), config: Any = None) -> MultiWriter:
   """The console plus the `kinds` (`config.writers`) in `workdir`: TensorBoard event files,
   `metrics.jsonl`, a W&B run (`config.wandb.project`, `.entity`, `.mode`).
 
@@ -143,15 +253,14 @@ def create_writer(workdir: str, kinds=("tensorboard", "jsonl"),
   if "wandb" in kinds and config is None:
     raise ValueError("create_writer: the 'wandb' writer reads config.wandb; pass config=.")
   if jax.process_index() > 0:
-    return metric_writers.create_default_writer(just_logging=True)
+    return MultiWriter([LoggingWriter()])
   os.makedirs(workdir, exist_ok=True)
-  writers: list[metric_writers.MetricWriter] = [
-      metric_writers.create_default_writer(
-          workdir if "tensorboard" in kinds else None, just_logging="tensorboard" not in kinds,
-          asynchronous=False)]
+  writers: list[Any] = [LoggingWriter()]
+  if "tensorboard" in kinds:
+    writers.append(TensorBoardWriter(workdir))
   if "jsonl" in kinds:
     writers.append(JsonlWriter(os.path.join(workdir, JSONL_NAME)))
   if "wandb" in kinds:
     writers.append(WandbWriter(workdir, project=config.wandb.project,
                                entity=config.wandb.entity, mode=config.wandb.mode))
-  return metric_writers.MultiWriter(writers)
+  return MultiWriter(writers)

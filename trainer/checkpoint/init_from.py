@@ -25,7 +25,10 @@ matches (a new head). Paths no rule matches stay fresh too.
 
 Refused before any compute, naming the paths and shapes: a rule or fresh
 pattern that matches no path, a path that two rules map, an old path that is
-not in the source, a shape that differs. The optimizer state starts fresh
+not in the source, a shape that differs. One difference is loaded: a new
+variable longer than its source only along a dimension annotated `vocab` (the
+vocabulary padded to the mesh, `models.vocab`) takes the source's rows and
+zeros after them. The optimizer state starts fresh
 from the restored parameters (and so does the recipe's state, an EMA of them).
 """
 
@@ -227,22 +230,42 @@ class Plan:
   mapped: dict[str, dict[str, str]]
   fresh: dict[str, list[str]]
   member: int | None
+  #: `{collection: {new path: (axis, source rows, new rows)}}`: variables whose padded
+  #: vocabulary axis is longer than the source's (the rows after the source's are zeros).
+  padded: dict[str, dict[str, tuple[int, int, int]]] = dataclasses.field(default_factory=dict)
 
   def describe(self) -> str:
     loaded = sum(len(m) for m in self.mapped.values())
     fresh = [f"{c}/{p}" if c != "params" else p for c, ps in self.fresh.items() for p in ps]
     which = "" if self.member is None else f", member {self.member}"
+    padded = [f"{p} ({rows} -> {new} vocabulary rows)" for ps in self.padded.values()
+              for p, (_, rows, new) in ps.items()]
     return (f"{loaded} arrays from {self.source.description}{which}; fresh: "
-            f"{fresh if fresh else 'none'}")
+            f"{fresh if fresh else 'none'}" + (f"; zero rows after {padded}" if padded else ""))
+
+
+def vocab_axes(params: PyTree) -> dict[str, dict[str, int]]:
+  """`{'params': {path: dimension}}` of the parameters (one model's, abstract, with their
+  annotations) that have a dimension annotated `vocab`."""
+  from strategies.layout import annotations, axis_names
+
+  out = {}
+  for path, _, _, names, _ in annotations(params):
+    dims = [d for d, entry in enumerate(names) if "vocab" in axis_names(entry)]
+    if dims:
+      out[path.removesuffix("/value")] = dims[0]
+  return {"params": out}
 
 
 def plan(config: ml_collections.ConfigDict, source: Source, new: Flat, *,
-         num_members: int) -> Plan:
+         num_members: int, vocab: Mapping[str, Mapping[str, int]] | None = None) -> Plan:
   """Matches the new model's variables (`{collection: {path: ShapeDtypeStruct}}`, one
   model) to `source` by `config.init_from`'s rules.
 
   Args:
     num_members: the new strategy's ensemble size (0: one model).
+    vocab: `{collection: {path: dimension}}` of the new variables' vocabulary dimensions
+      (`vocab_axes`): one that is longer than its source's, and no other, is zero-padded.
 
   Raises:
     ValueError: a rule or fresh pattern that matches nothing, a path two rules map, an old
@@ -263,6 +286,7 @@ def plan(config: ml_collections.ConfigDict, source: Source, new: Flat, *,
   mapped: dict[str, dict[str, str]] = {}
   fresh: dict[str, list[str]] = {}
   mismatched: list[str] = []
+  padded: dict[str, dict[str, tuple[int, int, int]]] = {}
   for c, paths in new.items():
     old = source.arrays.get(c, {})
     for path, want in paths.items():
@@ -291,7 +315,12 @@ def plan(config: ml_collections.ConfigDict, source: Source, new: Flat, *,
             f"with config.init_from.fresh.")
       have = source.arrays[c][old_path]
       have = have[1:] if saved_members else have
-      if tuple(have) != tuple(want.shape):
+      axis = (vocab or {}).get(c, {}).get(path)
+      if (axis is not None and len(have) == len(want.shape) and have[axis] < want.shape[axis]
+          and all(h == w for d, (h, w) in enumerate(zip(have, want.shape, strict=True))
+                  if d != axis)):
+        padded.setdefault(c, {})[path] = (axis, have[axis], want.shape[axis])
+      elif tuple(have) != tuple(want.shape):
         mismatched.append(f"{c} path {path!r} has shape {tuple(want.shape)} in the new model "
                           f"but {old_path!r} has shape {tuple(have)} in {source.description}")
       mapped.setdefault(c, {})[path] = old_path
@@ -318,7 +347,7 @@ def plan(config: ml_collections.ConfigDict, source: Source, new: Flat, *,
           f"variable of the new model: {unused[:12]}; the new model's paths are "
           f"{all_paths[:24]}. Is config.model the checkpoint's architecture "
           f"(trainer.interop.hf.model_fields)?")
-  return Plan(source, mapped, fresh, member)
+  return Plan(source, mapped, fresh, member, padded)
 
 
 def _member(member: int, source: Source, num_members: int) -> int | None:
@@ -351,10 +380,23 @@ def _reader(plan_: Plan, collection: str, path: str, *, num_members: int,
   """
   source, old = plan_.source, plan_.mapped[collection][path]
 
-  def read(index):
+  def read_source(index):
     if whole is None:
       return source.read_slice(collection, old, index)
     return whole[collection][old][tuple(index)]
+
+  def read(index):  # `index` in the source's axes (its member axis included).
+    if path not in plan_.padded.get(collection, {}):
+      return read_source(index)
+    axis, rows, new_rows = plan_.padded[collection][path]
+    axis += 1 if source.num_members else 0
+    index = list(index) + [slice(None)] * (axis + 1 - len(index))
+    start, stop, _ = index[axis].indices(new_rows)
+    index[axis] = slice(min(start, rows), min(stop, rows))
+    x = read_source(tuple(index))
+    width = [(0, 0)] * x.ndim
+    width[axis] = (0, stop - start - x.shape[axis])  # The padded rows: zeros.
+    return np.pad(x, width)
 
   def sliced(index):
     index = tuple(index)

@@ -28,12 +28,15 @@ class Rule:
     split: how each HF axis splits, one entry per HF axis: a width, or a tuple of widths
       it is the row-major product of (letters are model widths); () keeps the shape.
     perm: our axes as axes of the split tensor; () keeps their order.
+    vocab: our axis that holds the vocabulary (None: none): the model may pad it to the
+      mesh (`models.vocab`); an import pads it with zero rows, an export drops them.
   """
 
   hf: str
   ours: str
   split: tuple[str | int | tuple[str | int, ...], ...] = ()
   perm: tuple[int, ...] = ()
+  vocab: int | None = None
 
   @property
   def stacked(self) -> bool:
@@ -56,6 +59,7 @@ class Family:
     ignored: HF names (`{i}`: any layer) that hold no parameter (buffers, a tied head).
     build: `our fields -> the module` (Linen) or its factory (NNX), what `build_model`
       returns.
+    module: `() -> the module's class` (imported when asked).
   """
 
   model_type: str
@@ -67,6 +71,7 @@ class Family:
   rules: Callable[[Mapping[str, Any]], list[Rule]]
   ignored: tuple[str, ...]
   build: Callable[[Mapping[str, Any]], Any]
+  module: Callable[[], type]
 
 
 class UnsupportedModelError(ValueError):
@@ -114,7 +119,7 @@ def _gpt2_dims(f: Mapping[str, Any]) -> dict[str, int]:
 
 def _gpt2_rules(f: Mapping[str, Any]) -> list[Rule]:
   del f
-  rules = [Rule("wte.weight", "token_embedding/embedding"),
+  rules = [Rule("wte.weight", "token_embedding/embedding", vocab=0),
            Rule("wpe.weight", "position_embedding"),
            Rule("ln_f.weight", "ln_f/scale"), Rule("ln_f.bias", "ln_f/bias"),
            Rule("h.{i}.attn.c_attn.weight", "blocks/attn/c_attn/kernel", ("E", (3, "H", "D"))),
@@ -130,15 +135,19 @@ def _gpt2_rules(f: Mapping[str, Any]) -> list[Rule]:
   return rules
 
 
-def _gpt2_build(f: Mapping[str, Any]) -> Any:
+def _gpt2_module() -> type:
   from models.gpt2 import GPT2LM
-  return GPT2LM(**{k: v for k, v in f.items() if k != "family"})
+  return GPT2LM
+
+
+def _gpt2_build(f: Mapping[str, Any]) -> Any:
+  return _gpt2_module()(**{k: v for k, v in f.items() if k != "family"})
 
 
 GPT2 = Family("gpt2", "GPT2LMHeadModel", "transformer.", _gpt2_fields, _gpt2_hf_config,
               _gpt2_dims, _gpt2_rules,
               ignored=("h.{i}.attn.bias", "h.{i}.attn.masked_bias", "lm_head.weight"),
-              build=_gpt2_build)
+              build=_gpt2_build, module=_gpt2_module)
 
 
 # -- Llama -----------------------------------------------------------------------------
@@ -190,7 +199,7 @@ def _llama_dims(f: Mapping[str, Any]) -> dict[str, int]:
 
 def _llama_rules(f: Mapping[str, Any]) -> list[Rule]:
   layer, ours = "model.layers.{i}", "blocks/layers"
-  rules = [Rule("model.embed_tokens.weight", "embed_tokens/embedding"),
+  rules = [Rule("model.embed_tokens.weight", "embed_tokens/embedding", vocab=0),
            Rule("model.norm.weight", "norm/scale"),
            Rule(f"{layer}.input_layernorm.weight", f"{ours}/input_layernorm/scale"),
            Rule(f"{layer}.post_attention_layernorm.weight",
@@ -207,19 +216,23 @@ def _llama_rules(f: Mapping[str, Any]) -> list[Rule]:
   rules += [Rule(f"{layer}.mlp.{name}.weight", f"{ours}/mlp/{name}/kernel", (), (1, 0))
             for name in ("gate_proj", "up_proj", "down_proj")]
   if not f["tie_word_embeddings"]:
-    rules.append(Rule("lm_head.weight", "lm_head/kernel", (), (1, 0)))
+    rules.append(Rule("lm_head.weight", "lm_head/kernel", (), (1, 0), vocab=1))
   return rules
 
 
-def _llama_build(f: Mapping[str, Any]) -> Any:
+def _llama_module() -> type:
   from models.llama import LlamaLM
-  return functools.partial(LlamaLM, **{k: v for k, v in f.items() if k != "family"})
+  return LlamaLM
+
+
+def _llama_build(f: Mapping[str, Any]) -> Any:
+  return functools.partial(_llama_module(), **{k: v for k, v in f.items() if k != "family"})
 
 
 LLAMA = Family("llama", "LlamaForCausalLM", "", _llama_fields, _llama_hf_config, _llama_dims,
                _llama_rules,
                ignored=("model.layers.{i}.self_attn.rotary_emb.inv_freq", "lm_head.weight"),
-               build=_llama_build)
+               build=_llama_build, module=_llama_module)
 
 FAMILIES = {family.model_type: family for family in (GPT2, LLAMA)}
 

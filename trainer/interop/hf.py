@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from trainer.checkpoint.source import Source
+from trainer.checkpoint.store import CheckpointError
 from trainer.interop import families
 from trainer.interop.families import Family, Rule
 
@@ -42,21 +43,39 @@ class SafetensorsFiles:
   """
 
   def __init__(self, path: str):
-    from safetensors import safe_open
+    """Opens the file(s) at `path`.
 
+    Raises:
+      CheckpointError: naming the file (and the tensor, where one is known): a file
+        that is truncated or not safetensors, a shard the index names that is missing,
+        or a tensor the index places in a shard that does not hold it.
+    """
+    weight_map = None
     if os.path.isfile(path):
       files = [path]
     elif os.path.isfile(os.path.join(path, INDEX)):
-      with open(os.path.join(path, INDEX)) as f:
-        weight_map = json.load(f)["weight_map"]
-      files = sorted({os.path.join(path, name) for name in weight_map.values()})
-    elif os.path.isfile(os.path.join(path, WEIGHTS)):
-      files = [os.path.join(path, WEIGHTS)]
+      index = os.path.join(path, INDEX)
+      try:
+        with open(index) as f:
+          weight_map = {name: os.path.join(path, file)
+                        for name, file in json.load(f)["weight_map"].items()}
+      except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise CheckpointError(f"config.init_from.path: the index {index} is not a "
+                              f"safetensors index with a weight_map ({type(e).__name__}: "
+                              f"{e}).") from e
+      files = sorted(set(weight_map.values()))
     else:
       files = [os.path.join(path, WEIGHTS)]
     self.description = f"Hugging Face checkpoint {path}"
-    self._handles = {file: safe_open(file, framework="np") for file in files}
+    self._handles = {file: _open(file, weight_map) for file in files}
     self.where = {name: file for file, h in self._handles.items() for name in h.keys()}
+    for name, file in (weight_map or {}).items():
+      if self.where.get(name) != file:
+        held = f"; it is in {self.where[name]}" if name in self.where else ""
+        raise CheckpointError(f"config.init_from.path: the index {os.path.join(path, INDEX)} "
+                              f"places tensor {name!r} in {file}, which does not hold it"
+                              f"{held}. The index and its shards do not belong together: "
+                              f"copy the checkpoint again.")
     self.bytes_read = 0  # What `read` has returned in all, and in its largest call.
     self.largest_read = 0
 
@@ -67,11 +86,36 @@ class SafetensorsFiles:
     return tuple(self._handles[self.where[name]].get_slice(name).get_shape())
 
   def read(self, name: str, index: tuple[slice, ...] | None = None) -> np.ndarray:
-    tensor = self._handles[self.where[name]].get_slice(name)
-    x = np.asarray(tensor[index] if index else tensor[:])
+    file = self.where[name]
+    try:
+      tensor = self._handles[file].get_slice(name)
+      x = np.asarray(tensor[index] if index else tensor[:])
+    except Exception as e:  # safetensors' own errors name neither the file nor the tensor.
+      raise CheckpointError(f"config.init_from.path: reading tensor {name!r} of {file} "
+                            f"failed ({type(e).__name__}: {e}); the file is damaged.") from e
     self.bytes_read += x.nbytes
     self.largest_read = max(self.largest_read, x.nbytes)
     return x
+
+
+def _open(file: str, weight_map: Mapping[str, str] | None):
+  """A lazy handle of one safetensors file; refusals name the file (and what the index
+  places in it)."""
+  from safetensors import safe_open
+
+  if not os.path.isfile(file):
+    placed = sorted(n for n, f in (weight_map or {}).items() if f == file)
+    where = (f"the index places {len(placed)} tensor(s) in it ({placed[:4]}"
+             f"{' ...' if len(placed) > 4 else ''}), but it" if placed else "it")
+    raise CheckpointError(f"config.init_from.path: {file} is missing: {where} does not "
+                          f"exist.")
+  try:
+    return safe_open(file, framework="np")
+  except Exception as e:  # SafetensorError: "incomplete metadata, file not fully covered"...
+    raise CheckpointError(
+        f"config.init_from.path: {file} ({os.path.getsize(file)} bytes) is not a readable "
+        f"safetensors file ({type(e).__name__}: {e}): truncated or damaged; copy or "
+        f"download it again.") from e
 
 
 def _full(index: Sequence[Any] | None, shape: Sequence[int]) -> list[slice]:
@@ -285,6 +329,8 @@ def export(values: Mapping[str, np.ndarray], fields: Mapping[str, Any], out_dir:
                        f"{sorted(values)[:12]}.")
     used.add(rule.ours)
     x = np.asarray(values[rule.ours])
+    if rule.vocab is not None:  # A vocabulary padded to the mesh: only the real rows.
+      x = np.take(x, np.arange(fields["vocab_size"]), axis=rule.vocab + rule.stacked)
     one = x.shape[1:] if rule.stacked else x.shape
     # A rule without a split keeps each axis: the HF shape is ours, un-permuted.
     hf_shape = () if rule.split else tuple(

@@ -69,7 +69,8 @@ class States:
           self.config, self.source,
           init_from.variables_by_collection(abstract.params, abstract.model_state,
                                             linen=self.linen),
-          num_members=self.strategy.checkpoint_layout()["num_members"])
+          num_members=self.strategy.checkpoint_layout()["num_members"],
+          vocab=init_from.vocab_axes(abstract.params))
     state = self.strategy.create_state(init_fn, rng)
     if self.source is not None:
       state = init_from.start_from(plan, self.strategy, state, abstract, self._fresh,
