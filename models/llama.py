@@ -43,10 +43,28 @@ def rotate_half(x: jax.Array) -> jax.Array:
   return jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
 
 
-def rotary(x: jax.Array, theta: float) -> jax.Array:
-  """`x [batch, length, heads, head_dim]` rotated by its position (HF's default rope)."""
-  dim = x.shape[-1]
+def inverse_frequencies(dim: int, theta: float, scaling: dict | None = None) -> jax.Array:
+  """The rope's `dim / 2` inverse frequencies: HF's default rope, or with `scaling` (its
+  `rope_type='llama3'` parameters: `factor`, `low_freq_factor`, `high_freq_factor`,
+  `original_max_position_embeddings`) Llama 3.1's: long wavelengths divided by `factor`,
+  short ones kept, the ones between interpolated."""
   inv_freq = 1.0 / (theta ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim))
+  if not scaling:
+    return inv_freq
+  factor, low, high = (scaling[k] for k in ("factor", "low_freq_factor", "high_freq_factor"))
+  context = scaling["original_max_position_embeddings"]
+  wavelen = 2 * jnp.pi / inv_freq
+  scaled = jnp.where(wavelen > context / low, inv_freq / factor, inv_freq)
+  smooth = (context / wavelen - low) / (high - low)
+  smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+  medium = (wavelen >= context / high) & (wavelen <= context / low)
+  return jnp.where(medium, smoothed, scaled)
+
+
+def rotary(x: jax.Array, theta: float, scaling: dict | None = None) -> jax.Array:
+  """`x [batch, length, heads, head_dim]` rotated by its position (HF's `rotate_half` rope;
+  `scaling`: `inverse_frequencies`)."""
+  inv_freq = inverse_frequencies(x.shape[-1], theta, scaling)
   angles = jnp.arange(x.shape[1], dtype=jnp.float32)[:, None] * inv_freq[None, :]
   angles = jnp.concatenate([angles, angles], axis=-1)[None, :, None, :]
   y = x.astype(jnp.float32)
@@ -54,21 +72,41 @@ def rotary(x: jax.Array, theta: float) -> jax.Array:
 
 
 class LlamaBlock(nnx.Module):
-  """`x -> x`: RMSNorm, grouped-query attention with rotary embeddings, RMSNorm, SwiGLU."""
+  """`x -> x`: RMSNorm, grouped-query attention with rotary embeddings, RMSNorm, SwiGLU.
+
+  The family's variants: `qkv_bias` (Qwen2's q/k/v biases), `qk_norm` (Qwen3's RMSNorm of
+  each query and key head before the rope), `sliding_window` (Mistral's: a token attends to
+  itself and the `sliding_window - 1` before it), `rope_scaling` (`inverse_frequencies`).
+  """
 
   def __init__(self, embed: int, num_heads: int, num_kv_heads: int, head_dim: int,
-               mlp_dim: int, *, rms_norm_eps: float, rope_theta: float, rngs: nnx.Rngs):
+               mlp_dim: int, *, rms_norm_eps: float, rope_theta: float, rngs: nnx.Rngs,
+               rope_scaling: dict | None = None, qkv_bias: bool = False,
+               qk_norm: bool = False, sliding_window: int | None = None):
     self.num_heads, self.num_kv_heads, self.rope_theta = num_heads, num_kv_heads, rope_theta
+    # Static (hashable) items: no arrays, nothing for the state.
+    self.rope_scaling = tuple(sorted(dict(rope_scaling).items())) if rope_scaling else None
+    self.sliding_window = sliding_window
     self.input_layernorm = _rms_norm(embed, rms_norm_eps, rngs)
-    self.self_attn = nnx.Dict(
-        q_proj=nnx.LinearGeneral(embed, (num_heads, head_dim), use_bias=False,
-                                 kernel_init=_with(("embed", "heads", "kv")), rngs=rngs),
-        k_proj=nnx.LinearGeneral(embed, (num_kv_heads, head_dim), use_bias=False,
-                                 kernel_init=_with(("embed", "kv_heads", "kv")), rngs=rngs),
-        v_proj=nnx.LinearGeneral(embed, (num_kv_heads, head_dim), use_bias=False,
-                                 kernel_init=_with(("embed", "kv_heads", "kv")), rngs=rngs),
+
+    def projection(heads: int, names: tuple[str, ...]) -> nnx.LinearGeneral:
+      return nnx.LinearGeneral(embed, (heads, head_dim), use_bias=qkv_bias,
+                               kernel_init=_with(("embed", *names)),
+                               bias_init=_with(names, nnx.initializers.zeros), rngs=rngs)
+
+    attention = dict(
+        q_proj=projection(num_heads, ("heads", "kv")),
+        k_proj=projection(num_kv_heads, ("kv_heads", "kv")),
+        v_proj=projection(num_kv_heads, ("kv_heads", "kv")),
         o_proj=nnx.LinearGeneral((num_heads, head_dim), embed, axis=(-2, -1), use_bias=False,
                                  kernel_init=_with(("heads", "kv", "embed")), rngs=rngs))
+    if qk_norm:
+      attention.update(
+          q_norm=nnx.RMSNorm(head_dim, epsilon=rms_norm_eps, rngs=rngs,
+                             scale_init=_with(("kv",), nnx.initializers.ones)),
+          k_norm=nnx.RMSNorm(head_dim, epsilon=rms_norm_eps, rngs=rngs,
+                             scale_init=_with(("kv",), nnx.initializers.ones)))
+    self.self_attn = nnx.Dict(**attention)
     self.post_attention_layernorm = _rms_norm(embed, rms_norm_eps, rngs)
     self.mlp = nnx.Dict(
         gate_proj=nnx.Linear(embed, mlp_dim, use_bias=False,
@@ -81,13 +119,17 @@ class LlamaBlock(nnx.Module):
   def __call__(self, x: jax.Array) -> jax.Array:
     attn, mlp = self.self_attn, self.mlp
     y = self.input_layernorm(x)
-    q = rotary(attn["q_proj"](y), self.rope_theta)
-    k = rotary(attn["k_proj"](y), self.rope_theta)
+    q, k = attn["q_proj"](y), attn["k_proj"](y)
+    if "q_norm" in attn:  # Qwen3: each head normalised before the rope.
+      q, k = attn["q_norm"](q), attn["k_norm"](k)
+    scaling = dict(self.rope_scaling) if self.rope_scaling else None
+    q, k = rotary(q, self.rope_theta, scaling), rotary(k, self.rope_theta, scaling)
     v = attn["v_proj"](y)
     q = nn.with_logical_constraint(q, ("batch", "length", "heads", "kv"))
     k, v = (nn.with_logical_constraint(t, ("batch", "length", "kv_heads", "kv")) for t in (k, v))
     # Query head h reads key/value head h // (num_heads // num_kv_heads), as HF's repeat_kv.
-    attended = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+    window = None if self.sliding_window is None else (self.sliding_window - 1, 0)
+    attended = jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=window)
     attended = nn.with_logical_constraint(attended, ("batch", "length", "heads", "kv"))
     x = nn.with_logical_constraint(x + attn["o_proj"](attended), ("batch", "length", "embed"))
     y = self.post_attention_layernorm(x)
@@ -103,7 +145,9 @@ class LlamaLM(nnx.Module):
   `num_layers` (`num_hidden_layers`), `embed_dim` (`hidden_size`), `num_heads`
   (`num_attention_heads`), `num_kv_heads` (`num_key_value_heads`), `head_dim`,
   `mlp_dim` (`intermediate_size`), `max_len` (`max_position_embeddings`),
-  `rms_norm_eps`, `rope_theta`, `tie_word_embeddings`; `vocab_multiple`: the embedding's
+  `rms_norm_eps`, `rope_theta`, `tie_word_embeddings`, and the variants of the family
+  (`LlamaBlock`): `rope_scaling` (Llama 3.1's), `qkv_bias` (Qwen2), `qk_norm` (Qwen3),
+  `sliding_window` (Mistral); `vocab_multiple`: the embedding's
   and head's rows are `vocab_size` rounded up to a multiple of it (`models.vocab`), the
   padded logits masked out of the softmax.
   """
@@ -112,7 +156,9 @@ class LlamaLM(nnx.Module):
                num_heads: int = 4, num_kv_heads: int = 2, head_dim: int = 16,
                mlp_dim: int = 128, max_len: int = 128, rms_norm_eps: float = 1e-6,
                rope_theta: float = 10000.0, tie_word_embeddings: bool = False,
-               vocab_multiple: int = 1, *, rngs: nnx.Rngs):
+               vocab_multiple: int = 1, rope_scaling: dict | None = None,
+               qkv_bias: bool = False, qk_norm: bool = False,
+               sliding_window: int | None = None, *, rngs: nnx.Rngs):
     if num_heads % num_kv_heads:
       raise ValueError(f"num_heads={num_heads} must be a multiple of "
                        f"num_kv_heads={num_kv_heads} (grouped-query attention).")
@@ -123,7 +169,9 @@ class LlamaLM(nnx.Module):
                                   embedding_init=_with(("vocab", "embed")), rngs=rngs)
     self.blocks = NnxLayerStack(
         lambda rngs: LlamaBlock(embed_dim, num_heads, num_kv_heads, head_dim, mlp_dim,
-                                rms_norm_eps=rms_norm_eps, rope_theta=rope_theta, rngs=rngs),
+                                rms_norm_eps=rms_norm_eps, rope_theta=rope_theta, rngs=rngs,
+                                rope_scaling=rope_scaling, qkv_bias=qkv_bias, qk_norm=qk_norm,
+                                sliding_window=sliding_window),
         num_layers, rngs=rngs)
     self.norm = _rms_norm(embed_dim, rms_norm_eps, rngs)
     self.lm_head = None if tie_word_embeddings else nnx.Linear(

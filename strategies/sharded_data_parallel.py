@@ -108,6 +108,7 @@ class ShardedDataParallel(GlobalMeshBatch, Strategy):
                               axis_types=(AXIS_TYPES[axis_types],) * len(shape), devices=devices)
     self.batch_spec = nn.logical_to_mesh_axes(("batch",), self.rules)
     self._batch_sharding = NamedSharding(self.mesh, self.batch_spec)
+    self._inits: dict[InitFn, InitFn] = {}  # create_state's jitted init functions.
     #: The layer stack's pipeline over the `stage` axis, or None (no such axis).
     self.pipeline = pipelining.from_mesh(
         dict(self.mesh.shape), self.rules, self.batch_axes, axis_types, **(pipeline or {}))
@@ -188,9 +189,13 @@ class ShardedDataParallel(GlobalMeshBatch, Strategy):
                         is_leaf=lambda x: isinstance(x, nn.Partitioned))
 
   def create_state(self, init_fn: InitFn, rng: jax.Array) -> PyTree:
+    """`init_fn` jitted with the layout's shardings: once per `init_fn` (the Trainer's is one
+    function per batch shape), so a second state costs a call, not a trace and a compile."""
     with self._context():
-      shardings = self.state_shardings(jax.eval_shape(init_fn, rng))
-      return jax.jit(init_fn, out_shardings=shardings)(rng)
+      if init_fn not in self._inits:
+        shardings = self.state_shardings(jax.eval_shape(init_fn, rng))
+        self._inits[init_fn] = jax.jit(init_fn, out_shardings=shardings)
+      return self._inits[init_fn](rng)
 
   def constrain_batch(self, tree: PyTree, *, batch_dim: int = 0) -> PyTree:
     def constrain(x):

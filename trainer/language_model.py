@@ -38,7 +38,7 @@ def language_model(family: str = "transformer", **fields):
     raise ValueError(f"config.model.{unknown[0]}={fields[unknown[0]]!r}: the {family!r} "
                      f"family's model has no such field (it takes {sorted(accepted)}); leave "
                      f"it None, or pick the family that has it (config.model.family).")
-  return module(fields) if family != "transformer" else module(**fields)
+  return module(dict(fields, family=family)) if family != "transformer" else module(**fields)
 
 
 def _field_names(module) -> tuple[str, ...]:

@@ -150,46 +150,96 @@ GPT2 = Family("gpt2", "GPT2LMHeadModel", "transformer.", _gpt2_fields, _gpt2_hf_
               build=_gpt2_build, module=_gpt2_module)
 
 
-# -- Llama -----------------------------------------------------------------------------
+# -- Llama and the families on its module (Mistral, Qwen2, Qwen3) -----------------------
 
-def _rope_theta(hf: Mapping[str, Any]) -> float:
-  """The rope base from either config form (transformers 5's `rope_parameters`, or the
-  older `rope_theta` + `rope_scaling`); only the default (unscaled) rope is computed."""
-  params = hf.get("rope_parameters") or {}
-  scaling = hf.get("rope_scaling") or {}
-  kind = params.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
-  if kind != "default":
+#: The rope kinds `models.llama.inverse_frequencies` computes.
+ROPE_TYPES = ("default", "llama3")
+_LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor",
+                "original_max_position_embeddings")
+
+
+def _rope(hf: Mapping[str, Any]) -> dict[str, Any]:
+  """`rope_theta` (and `rope_scaling`, Llama 3.1's kind) from either config form
+  (transformers 5's `rope_parameters`, or the older `rope_theta` + `rope_scaling`)."""
+  params = dict(hf.get("rope_parameters") or {})
+  scaling = dict(hf.get("rope_scaling") or {})
+  merged = {**scaling, **params}
+  kind = merged.get("rope_type", merged.get("type", "default"))
+  if kind not in ROPE_TYPES:
     raise UnsupportedModelError(
-        f"the Hugging Face config has rope_type={kind!r}; this project's llama computes "
-        f"only the default rope (no scaling).")
-  return float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+        f"the Hugging Face config has rope_type={kind!r}; this project's "
+        f"{hf.get('model_type')} computes only rope_type in {ROPE_TYPES}.")
+  _refuse_unless(merged, "partial_rotary_factor", (1.0, 1), 1.0)
+  out = dict(rope_theta=float(merged.get("rope_theta", hf.get("rope_theta", 10000.0))))
+  if kind == "llama3":
+    missing = [k for k in _LLAMA3_KEYS if k not in merged]
+    if missing:
+      raise UnsupportedModelError(f"the Hugging Face config's llama3 rope lacks {missing}.")
+    out["rope_scaling"] = {k: float(merged[k]) for k in _LLAMA3_KEYS}
+  return out
+
+
+def _no_sliding_window(hf: Mapping[str, Any]) -> None:
+  """Qwen2/Qwen3: sliding-window layers (`use_sliding_window`, `layer_types`) are not
+  computed."""
+  _refuse_unless(hf, "use_sliding_window", (False, None), False)
+  sliding = [t for t in hf.get("layer_types") or () if t != "full_attention"]
+  if sliding:
+    raise UnsupportedModelError(
+        f"the Hugging Face config has layer_types with {sliding[0]!r} layers; this project's "
+        f"{hf.get('model_type')} computes only 'full_attention' layers.")
 
 
 def _llama_fields(hf: Mapping[str, Any]) -> dict[str, Any]:
+  kind = hf.get("model_type")
   _refuse_unless(hf, "hidden_act", ("silu",), "silu")
-  _refuse_unless(hf, "attention_bias", (False,), False)
-  _refuse_unless(hf, "mlp_bias", (False,), False)
+  _refuse_unless(hf, "attention_bias", (False, None), False)
+  _refuse_unless(hf, "mlp_bias", (False, None), False)
+  if kind in ("qwen2", "qwen3"):
+    _no_sliding_window(hf)
   heads = int(hf["num_attention_heads"])
-  return dict(family="llama", vocab_size=int(hf["vocab_size"]),
-              num_layers=int(hf["num_hidden_layers"]), embed_dim=int(hf["hidden_size"]),
-              num_heads=heads, num_kv_heads=int(hf.get("num_key_value_heads") or heads),
-              head_dim=int(hf.get("head_dim") or int(hf["hidden_size"]) // heads),
-              mlp_dim=int(hf["intermediate_size"]),
-              max_len=int(hf.get("max_position_embeddings", 2048)),
-              rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)), rope_theta=_rope_theta(hf),
-              tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)))
+  fields = dict(family=kind, vocab_size=int(hf["vocab_size"]),
+                num_layers=int(hf["num_hidden_layers"]), embed_dim=int(hf["hidden_size"]),
+                num_heads=heads, num_kv_heads=int(hf.get("num_key_value_heads") or heads),
+                head_dim=int(hf.get("head_dim") or int(hf["hidden_size"]) // heads),
+                mlp_dim=int(hf["intermediate_size"]),
+                max_len=int(hf.get("max_position_embeddings", 2048)),
+                rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+                tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)), **_rope(hf))
+  if kind == "mistral" and hf.get("sliding_window") is not None:
+    fields["sliding_window"] = int(hf["sliding_window"])
+  return fields
+
+
+#: What each family on the Llama module always computes (not a field of its config).
+_VARIANTS = {"llama": {}, "mistral": {}, "qwen2": dict(qkv_bias=True),
+             "qwen3": dict(qk_norm=True)}
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                  "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
 
 def _llama_hf_config(f: Mapping[str, Any]) -> dict[str, Any]:
-  return dict(architectures=["LlamaForCausalLM"], model_type="llama",
-              vocab_size=f["vocab_size"], hidden_size=f["embed_dim"],
-              intermediate_size=f["mlp_dim"], num_hidden_layers=f["num_layers"],
-              num_attention_heads=f["num_heads"], num_key_value_heads=f["num_kv_heads"],
-              head_dim=f["head_dim"], max_position_embeddings=f["max_len"],
-              rms_norm_eps=f["rms_norm_eps"], rope_theta=f["rope_theta"],
-              rope_parameters=dict(rope_type="default", rope_theta=f["rope_theta"]),
-              tie_word_embeddings=f["tie_word_embeddings"], hidden_act="silu",
-              attention_bias=False, mlp_bias=False, dtype="float32")
+  kind = f.get("family", "llama")
+  rope = dict(rope_type="default", rope_theta=f["rope_theta"])
+  if f.get("rope_scaling"):
+    rope.update(rope_type="llama3", **dict(f["rope_scaling"]))
+  out = dict(architectures=[_ARCHITECTURES[kind]], model_type=kind,
+             vocab_size=f["vocab_size"], hidden_size=f["embed_dim"],
+             intermediate_size=f["mlp_dim"], num_hidden_layers=f["num_layers"],
+             num_attention_heads=f["num_heads"], num_key_value_heads=f["num_kv_heads"],
+             head_dim=f["head_dim"], max_position_embeddings=f["max_len"],
+             rms_norm_eps=f["rms_norm_eps"], rope_theta=f["rope_theta"], rope_parameters=rope,
+             tie_word_embeddings=f["tie_word_embeddings"], hidden_act="silu", dtype="float32")
+  if kind in ("llama", "qwen3"):
+    out.update(attention_bias=False)
+  if kind == "llama":
+    out.update(mlp_bias=False)
+  if kind == "mistral":
+    out.update(sliding_window=f.get("sliding_window"))
+  if kind in ("qwen2", "qwen3"):
+    out.update(use_sliding_window=False,
+               layer_types=["full_attention"] * int(f["num_layers"]))
+  return out
 
 
 def _llama_dims(f: Mapping[str, Any]) -> dict[str, int]:
@@ -215,6 +265,13 @@ def _llama_rules(f: Mapping[str, Any]) -> list[Rule]:
                 ("E", ("H", "D")), (1, 2, 0))]
   rules += [Rule(f"{layer}.mlp.{name}.weight", f"{ours}/mlp/{name}/kernel", (), (1, 0))
             for name in ("gate_proj", "up_proj", "down_proj")]
+  variant = _VARIANTS[f.get("family", "llama")]
+  if variant.get("qkv_bias"):  # Qwen2: [heads * head_dim] -> ours [heads, head_dim].
+    rules += [Rule(f"{layer}.self_attn.{p}_proj.bias", f"{ours}/self_attn/{p}_proj/bias",
+                   ((h, "D"),)) for p, h in (("q", "H"), ("k", "K"), ("v", "K"))]
+  if variant.get("qk_norm"):  # Qwen3: one RMSNorm of head_dim for queries, one for keys.
+    rules += [Rule(f"{layer}.self_attn.{p}_norm.weight", f"{ours}/self_attn/{p}_norm/scale")
+              for p in ("q", "k")]
   if not f["tie_word_embeddings"]:
     rules.append(Rule("lm_head.weight", "lm_head/kernel", (), (1, 0), vocab=1))
   return rules
@@ -226,15 +283,20 @@ def _llama_module() -> type:
 
 
 def _llama_build(f: Mapping[str, Any]) -> Any:
-  return functools.partial(_llama_module(), **{k: v for k, v in f.items() if k != "family"})
+  fields = {k: v for k, v in f.items() if k != "family"}
+  return functools.partial(_llama_module(), **fields, **_VARIANTS[f.get("family", "llama")])
 
 
-LLAMA = Family("llama", "LlamaForCausalLM", "", _llama_fields, _llama_hf_config, _llama_dims,
-               _llama_rules,
-               ignored=("model.layers.{i}.self_attn.rotary_emb.inv_freq", "lm_head.weight"),
-               build=_llama_build, module=_llama_module)
+def _llama_like(model_type: str) -> Family:
+  return Family(model_type, _ARCHITECTURES[model_type], "", _llama_fields, _llama_hf_config,
+                _llama_dims, _llama_rules,
+                ignored=("model.layers.{i}.self_attn.rotary_emb.inv_freq", "lm_head.weight"),
+                build=_llama_build, module=_llama_module)
 
-FAMILIES = {family.model_type: family for family in (GPT2, LLAMA)}
+
+LLAMA, MISTRAL, QWEN2, QWEN3 = map(_llama_like, ("llama", "mistral", "qwen2", "qwen3"))
+
+FAMILIES = {family.model_type: family for family in (GPT2, LLAMA, MISTRAL, QWEN2, QWEN3)}
 
 
 def get(model_type: str, *, field: str = "model_type") -> Family:

@@ -70,13 +70,22 @@ class StepFunctions:
             params, model_state, batch, rngs=rngs, train=train))
     self._gradients = recipe.gradients(_value_and_grad(recipe.loss(self._loss)), strategy)
     self._update = recipe.update(_apply_update)
+    self._init_fns: dict[Any, Callable[[jax.Array], Any]] = {}
 
   # -- Init --------------------------------------------------------------------------
 
   def init_fn(self, example_batch: Batch) -> Callable[[jax.Array], Any]:
-    """`rng -> train state` for a model fed batches shaped like `example_batch`."""
+    """`rng -> train state` for a model fed batches shaped like `example_batch`: the same
+    function for the same shapes, so a strategy compiles it once (`create_state`)."""
     shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype),
                           dict(example_batch))
+    leaves, treedef = jax.tree.flatten(shapes)
+    key = (treedef, tuple((x.shape, x.dtype) for x in leaves))
+    if key not in self._init_fns:
+      self._init_fns[key] = self._make_init_fn(shapes)
+    return self._init_fns[key]
+
+  def _make_init_fn(self, shapes: Batch) -> Callable[[jax.Array], Any]:
     hooks = self.hooks
 
     def init(rng: jax.Array, zeros: Batch):
