@@ -5,11 +5,12 @@ r"""Fine-tuning a Hugging Face-format language model on a text file (examples/fi
 
 `config.init_from.path` names the pretrained model: an HF directory (`config.json` +
 `model.safetensors`, or the sharded index form) of a family with a mapping (`gpt2`,
-`llama`); `config.model` is then read from its `config.json`. Empty, the example writes
+`llama`, `mistral`, `qwen2`, `qwen3`); `config.model` is then read from its `config.json`. Empty, the example writes
 a small randomly initialised GPT-2 in HF format into the workdir and starts from that.
 
 Variants: `full` (every weight trains, FSDP over the devices) and `lora` (rank-8
-adapters on the attention and MLP kernels, everything else frozen).
+adapters on the attention and MLP kernels, everything else frozen), for either family
+(`--config.model.family=llama` makes the local base model a Llama).
 """
 
 import ml_collections
@@ -25,11 +26,12 @@ def get_config(variant: str = "full") -> ml_collections.ConfigDict:
                      f"{VARIANTS}.")
   config = base.get_config()
   config.trainer = "trainer.language_model:LanguageModelTrainer"
-  # The local base model when init_from.path is empty (a GPT-2 as HF's GPT2Config names
-  # it: n_layer, n_embd, n_head, n_inner, n_positions); the vocabulary is the tokenizer's.
+  # The local base model when init_from.path is empty: a GPT-2 (or, by flag,
+  # --config.model.family=llama, mistral, qwen2 or qwen3); each family's own fields are
+  # declared None (its default) as in configs/lm.py; the vocabulary is the tokenizer's.
   config.model = ml_collections.ConfigDict(dict(
-      family="gpt2", vocab_size=512, num_layers=2, embed_dim=64, num_heads=4, mlp_dim=256,
-      max_len=128, layer_norm_epsilon=1e-5, dropout_rate=0.0))
+      family="gpt2", vocab_size=512, num_layers=2, embed_dim=64, num_heads=4, head_dim=16,
+      mlp_dim=256, max_len=128, **lm.FAMILY_FIELDS))
   config.seq_len = 64
   config.batch_size = 16
   config.eval_batch_size = 16
@@ -51,6 +53,8 @@ def get_config(variant: str = "full") -> ml_collections.ConfigDict:
   if variant == "lora":
     config.lora.rank = 8
     config.lora.alpha = 16.0
-    config.lora.targets = (".*attn/c_attn/kernel", ".*attn/c_proj/kernel", ".*mlp/.*/kernel")
+    # Every attention and MLP kernel, in each family's names (GPT-2's attn/c_attn,
+    # attn/c_proj, mlp/c_fc, mlp/c_proj; Llama's self_attn/{q,k,v,o}_proj, mlp/*_proj).
+    config.lora.targets = (".*attn/[^/]*/kernel", ".*mlp/[^/]*/kernel")
     config.learning_rate = 3e-3
   return config

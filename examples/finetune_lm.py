@@ -86,12 +86,15 @@ def write_base_model(config, directory: str) -> None:
   from trainer import LanguageModelTrainer
   from trainer.checkpoint.init_from import variables_by_collection
   from trainer.interop import hf
+  from trainer.language_model import model_fields
 
   trainer = LanguageModelTrainer(config)
   init = trainer.steps.init_fn(_batches(config, [0] * (config.seq_len + 1), 0, 1)[0])
   params = jax.jit(lambda rng: init(rng).params)(jax.random.PRNGKey(config.seed))
   values = variables_by_collection(jax.device_get(params), {}, linen=True)["params"]
-  hf.export(values, config.model.to_dict(), directory)
+  fields = config.model.to_dict()
+  hf.export(values, {**model_fields(**fields), "family": fields["family"]},  # Defaults filled.
+            directory)
 
 
 def _batches(config, ids, start: int, count: int, rows=slice(None)):

@@ -118,13 +118,18 @@ def test_the_pipeline_runs_the_loaded_blocks(hf_models, family):
 
 @pytest.mark.parametrize("family,layout,lora", [("gpt2", "fsdp", False),
                                                ("llama", "data_tensor", False),
-                                               ("gpt2", "data_tensor", True)])
+                                               ("gpt2", "data_tensor", True),
+                                               ("llama", "data_tensor", True),
+                                               ("llama", "pipeline_tensor", True)])
 def test_finetune_then_export_loads_in_transformers(hf_models, family, layout, lora, tmp_path):
-  """LoRA: the export merges the adapters into the weights transformers reads."""
+  """LoRA: the export merges the adapters into the weights transformers reads (Qwix's for
+  GPT-2; folded into the weights for the NNX Llama, and under a pipeline); the targets are
+  configs/finetune_lm.py:lora's, which name both families' kernels."""
   path, reference, names = hf_models[family]
   config = _config(path, layout, learning_rate=1e-2)
   if lora:
-    config.lora.update(rank=4, alpha=8.0, targets=(".*attn/c_attn/kernel", ".*mlp/.*/kernel"))
+    from configs import finetune_lm
+    config.lora.update(rank=4, alpha=8.0, targets=finetune_lm.get_config("lora").lora.targets)
   trainer = LanguageModelTrainer(config)
   workdir = str(tmp_path / "run")
   checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), every_steps=0,

@@ -27,12 +27,24 @@ GPT2 = dict(family="gpt2", vocab_size=VOCAB, num_layers=2, embed_dim=32, num_hea
             mlp_dim=64, max_len=LENGTH, layer_norm_epsilon=1e-5, dropout_rate=0.0)
 
 
-def _config(layout="fsdp", rank=RANK, **overrides):
+#: A Llama (NNX, on the NnxLayerStack): its adapters are folded into the weights.
+LLAMA = dict(family="llama", vocab_size=VOCAB, num_layers=4, embed_dim=32, num_heads=4,
+             num_kv_heads=2, head_dim=8, mlp_dim=64, max_len=LENGTH)
+#: q_proj [layer, embed, heads, kv] (one input axis), o_proj [layer, heads, kv, embed] (two),
+#: down_proj [layer, mlp, embed] (an nnx.Linear).
+LLAMA_TARGETS = (".*self_attn/[qo]_proj/kernel", ".*mlp/down_proj/kernel")
+#: An NNX model is built from the step's streams (its initialisers are dead code here).
+RNGS = {"params": jax.random.PRNGKey(0), "dropout": jax.random.PRNGKey(1)}
+
+
+def _config(layout="fsdp", rank=RANK, family="gpt2", **overrides):
   config = tiny_lm_config(layout, learning_rate=3e-2, **overrides)
-  config.model = ml_collections.ConfigDict(GPT2)
+  config.model = ml_collections.ConfigDict(GPT2 if family == "gpt2" else LLAMA)
+  if family == "gpt2" and layout in ("pipeline_tensor",):
+    config.model.num_layers = 4
   config.lora.rank = rank
   config.lora.alpha = ALPHA
-  config.lora.targets = TARGETS if rank else ()
+  config.lora.targets = (TARGETS if family == "gpt2" else LLAMA_TARGETS) if rank else ()
   return config
 
 
@@ -177,17 +189,111 @@ def test_what_cannot_work_is_refused_before_compute():
   config.lora.rank = -1
   with pytest.raises(ValueError, match=r"config.lora.rank=-1 must be a positive integer"):
     LanguageModelTrainer(config)
-  # Under a pipeline the adapters would be silently unused (the stack applies its layers
-  # outside Qwix's interception): refused.
-  with pytest.raises(ValueError, match=r"config.lora with config.strategy.mesh_axes=.*'stage'"):
-    LanguageModelTrainer(_config("pipeline_tensor"))
   config = _config()
   config.freeze = ("ln_f/.*",)
   with pytest.raises(ValueError, match=r"config.freeze=\('ln_f/.\*',\) with config.lora"):
     LanguageModelTrainer(config)
-  config = _config()
-  config.model = ml_collections.ConfigDict(dict(
-      family="llama", vocab_size=VOCAB, num_layers=2, embed_dim=32, num_heads=4,
-      num_kv_heads=2, head_dim=8, mlp_dim=48, max_len=LENGTH))
-  with pytest.raises(ValueError, match=r"config.lora: this model is an NNX one"):
-    LanguageModelTrainer(config)
+  config = _config(family="llama")
+  config.lora.targets = (".*input_layernorm/scale",)  # NNX: a norm's scale is no kernel.
+  with pytest.raises(ValueError, match=r"match \['blocks/layers/input_layernorm/scale'\], "
+                                       r"which no Linear or LinearGeneral layer takes"):
+    LanguageModelTrainer(config).init_state(next(_stream(0)))
+
+
+@pytest.fixture(scope="module")
+def llama_trained():
+  """An NNX Llama with adapters under data x tensor, 2 steps."""
+  trainer = LanguageModelTrainer(_config("data_tensor", family="llama"))
+  state = trainer.init_state(next(_stream(0)))
+  before = _host(trainer.strategy.to_canonical(state).params)
+  result = trainer.fit(_stream, num_steps=2, state=state)
+  return trainer, result.state, before, _host(trainer.strategy.to_canonical(result.state).params)
+
+
+def test_an_nnx_model_on_the_layer_stack_trains_its_adapters_only(llama_trained):
+  """The Llama (NNX, NnxLayerStack): adapters beside the matched kernels, only they move
+  and only they have Adam's moments; B starts at zero."""
+  trainer, state, before, after = llama_trained
+  adapters = sorted(p for p in after if "_lora_" in p)
+  assert adapters == sorted(f"blocks/layers/{m}/kernel{s}"
+                            for m in ("self_attn/q_proj", "self_attn/o_proj", "mlp/down_proj")
+                            for s in ("_lora_a", "_lora_b"))
+  for path in after:
+    moved = float(np.abs(after[path] - before[path]).max())
+    assert (moved > 0) == (path in adapters), (path, moved)
+  assert np.abs(before["blocks/layers/self_attn/o_proj/kernel_lora_b"]).max() == 0
+  moments = [x.shape for x in jax.tree.leaves(trainer.strategy.to_canonical(state).opt_state)
+             if np.ndim(x)]
+  assert sorted(moments) == sorted(2 * [after[p].shape for p in adapters])
+
+
+def test_an_nnx_step_computes_the_weights_plus_the_scaled_adapter_product(llama_trained):
+  """Logits of the adapted Llama equal the base Llama's with each adapted kernel replaced by
+  `W + alpha/r * A @ B` written out here (o_proj's A keeps both input axes, heads and kv)."""
+  trainer, state, _, after = llama_trained
+  tokens = next(_stream(7))["inputs"]
+  params = trainer.strategy.to_canonical(state).params
+  ours = np.asarray(jax.jit(lambda p: trainer.model_variables.apply(
+      p, {}, ((tokens,), {}), rngs=RNGS, train=False)[0])(params))
+  base = {p: x for p, x in after.items() if "_lora_" not in p}
+  by_hand = dict(base)
+  for module, inputs in (("self_attn/q_proj", "i"), ("self_attn/o_proj", "hd"),
+                         ("mlp/down_proj", "i")):
+    w = after[f"blocks/layers/{module}/kernel"]
+    a = after[f"blocks/layers/{module}/kernel_lora_a"]
+    b = after[f"blocks/layers/{module}/kernel_lora_b"]
+    outputs = "".join("opq"[i] for i in range(w.ndim - 1 - len(inputs)))
+    delta = np.einsum(f"l{inputs}r,lr{outputs}->l{inputs}{outputs}", a, b)
+    by_hand[f"blocks/layers/{module}/kernel"] = w + ALPHA / RANK * delta
+  plain = LanguageModelTrainer(_config(rank=0, family="llama"))
+  apply = lambda tree: np.asarray(plain.model_variables.apply(  # noqa: E731
+      jax.tree.map(jnp.asarray, _nest(tree)), {}, ((tokens,), {}), rngs=RNGS, train=False)[0])
+  expected = apply(by_hand)
+  np.testing.assert_allclose(ours, expected, atol=1e-5, rtol=1e-5)
+  assert np.abs(expected - apply(base)).max() > 1e-4  # The adapters matter.
+  merged = lora_lib.merged(after, {"rank": RANK, "alpha": ALPHA})  # What an export writes.
+  for path in by_hand:
+    np.testing.assert_allclose(merged[path], by_hand[path], rtol=1e-6, atol=1e-7)
+
+
+def test_nnx_adapters_are_laid_out_like_their_weights(llama_trained):
+  """data x tensor: A takes its kernel's leading and input axes' layout, B its output axes':
+  q_proj's B [layer, rank, heads, kv] and o_proj's A [layer, heads, kv, rank] are split over
+  `model` where their kernels' heads are."""
+  _, state, _, _ = llama_trained
+  spec = lambda p: tuple(nn.meta.unbox(p).sharding.spec)  # noqa: E731
+  attn = state.params["blocks"]["layers"]["self_attn"]
+  assert spec(attn["q_proj"]["kernel"])[2] == "model"
+  assert spec(attn["q_proj"]["kernel_lora_b"])[2] == "model"
+  assert "model" not in spec(attn["q_proj"]["kernel_lora_a"])
+  assert spec(attn["o_proj"]["kernel"])[1] == "model"
+  assert spec(attn["o_proj"]["kernel_lora_a"])[1] == "model"
+  assert "model" not in spec(attn["o_proj"]["kernel_lora_b"])
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_lora_under_a_pipeline_equals_lora_without_one(family):
+  """2 data x 2 stages x 2 model against data x tensor, 2 steps: the adapters are applied in
+  the pipelined stack (they move, as they did not when the stack ran outside Qwix's
+  interception) and equal the unpipelined run's within its float32 noise; the base weights
+  stay bitwise where they were."""
+  import numerics
+  batches = [next(_stream(i)) for i in range(2)]
+  config = _config("data_tensor", family=family)
+  config.model.num_layers = 4  # As the pipeline's: 2 stages x 2 layers.
+  reference = LanguageModelTrainer(config)
+  start = _host(reference.strategy.to_canonical(reference.init_state(batches[0])).params)
+  want = _host(reference.strategy.to_canonical(
+      reference.fit(batches, num_steps=2).state).params)
+  chaos = numerics.chaos_fits(reference, batches, num_steps=2, view=lambda s: _host(
+      reference.strategy.to_canonical(s).params))
+  piped = LanguageModelTrainer(_config("pipeline_tensor", family=family))
+  assert piped.strategy.pipeline is not None
+  got = _host(piped.strategy.to_canonical(piped.fit(batches, num_steps=2).state).params)
+  adapters = sorted(p for p in got if "_lora_" in p)
+  assert adapters and all(np.abs(got[p] - start[p]).max() > 0 for p in adapters)
+  for path in got:
+    if "_lora_" not in path:
+      np.testing.assert_array_equal(got[path], start[path])
+  numerics.assert_equivalent({p: got[p] for p in adapters}, {p: want[p] for p in adapters},
+                             [{p: c[p] for p in adapters} for c in chaos])

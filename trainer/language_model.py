@@ -16,9 +16,9 @@ from trainer.trainer import Batch, Trainer
 
 def language_model(family: str = "transformer", **fields):
   """The module `config.model` describes: `models.TransformerLM(**fields)`, or with
-  `family='gpt2'` / `'llama'` the module whose weights are that Hugging Face family's
-  (`trainer.interop.families`; `trainer.interop.hf.model_fields(path)` reads a published
-  checkpoint's fields).
+  `family='gpt2'`, `'llama'`, `'mistral'`, `'qwen2'` or `'qwen3'` the module whose weights are
+  that Hugging Face family's (`trainer.interop.families`;
+  `trainer.interop.hf.model_fields(path)` reads a published checkpoint's fields).
 
   A field that is None takes the family's default (`configs/lm.py` declares every
   family's fields so that each layout runs each family by flag).
@@ -26,31 +26,43 @@ def language_model(family: str = "transformer", **fields):
   Raises:
     ValueError: a field set (not None) that the family's module does not have.
   """
-  fields = {name: value for name, value in fields.items() if value is not None}
+  fields = model_fields(family, **fields)
   if family == "transformer":
-    module, accepted = models.TransformerLM, _field_names(models.TransformerLM)
-  else:
-    from trainer.interop import families
-    module = families.get(family, field="config.model.family").build
-    accepted = _field_names(families.get(family).module())
-  unknown = sorted(set(fields) - set(accepted))
-  if unknown:
-    raise ValueError(f"config.model.{unknown[0]}={fields[unknown[0]]!r}: the {family!r} "
-                     f"family's model has no such field (it takes {sorted(accepted)}); leave "
-                     f"it None, or pick the family that has it (config.model.family).")
-  return module(dict(fields, family=family)) if family != "transformer" else module(**fields)
+    return models.TransformerLM(**fields)
+  from trainer.interop import families
+  return families.get(family).build(dict(fields, family=family))
 
 
-def _field_names(module) -> tuple[str, ...]:
-  """The fields a model class takes: a Linen module's dataclass fields, an NNX module's
-  keyword arguments."""
+def model_fields(family: str = "transformer", **fields) -> dict:
+  """`config.model`'s fields for `family`'s module: the ones set (not None), each other
+  field of the module at its default (what an HF export of the model writes).
+
+  Raises:
+    ValueError: a field set (not None) that the family's module does not have.
+  """
   import dataclasses
   import inspect
 
-  if dataclasses.is_dataclass(module):
-    return tuple(f.name for f in dataclasses.fields(module) if f.name not in ("parent", "name"))
-  return tuple(p for p in inspect.signature(module.__init__).parameters
-               if p not in ("self", "rngs"))
+  if family == "transformer":
+    module = models.TransformerLM
+  else:
+    from trainer.interop import families
+    module = families.get(family, field="config.model.family").module()
+  if dataclasses.is_dataclass(module):  # Linen: its dataclass fields.
+    defaults = {f.name: f.default for f in dataclasses.fields(module)
+                if f.name not in ("parent", "name")}
+  else:  # NNX: its constructor's keyword arguments.
+    defaults = {name: p.default for name, p in inspect.signature(module.__init__).parameters
+                .items() if name not in ("self", "rngs")}
+  fields = {name: value for name, value in fields.items() if value is not None}
+  unknown = sorted(set(fields) - set(defaults))
+  if unknown:
+    raise ValueError(f"config.model.{unknown[0]}={fields[unknown[0]]!r}: the {family!r} "
+                     f"family's model has no such field (it takes {sorted(defaults)}); leave "
+                     f"it None, or pick the family that has it (config.model.family).")
+  kept = {name: value for name, value in defaults.items()
+          if value is not dataclasses.MISSING and value is not inspect.Parameter.empty}
+  return {**kept, **fields}
 
 
 class LanguageModelTrainer(Trainer):
@@ -68,7 +80,7 @@ class LanguageModelTrainer(Trainer):
     pieces the layout splits `vocab` into (`models.vocab`; `config.model.vocab_multiple`,
     where set, is a multiple too)."""
     fields = self.config.model.to_dict()
-    fields["vocab_multiple"] = math.lcm(fields.pop("vocab_multiple", 1),
+    fields["vocab_multiple"] = math.lcm(fields.pop("vocab_multiple", None) or 1,
                                        self.strategy.shards_of("vocab"))
     return language_model(**fields)
 

@@ -284,7 +284,7 @@ def _llama_module() -> type:
 
 def _llama_build(f: Mapping[str, Any]) -> Any:
   fields = {k: v for k, v in f.items() if k != "family"}
-  return functools.partial(_llama_module(), **fields, **_VARIANTS[f.get("family", "llama")])
+  return functools.partial(_llama_module(), **{**fields, **_VARIANTS[f.get("family", "llama")]})
 
 
 def _llama_like(model_type: str) -> Family:

@@ -15,19 +15,30 @@ parameter that is not an adapter is frozen: zero updates and no optimizer state
 `merged` folds the adapters into their weights (`W + alpha / rank * A @ B`), what
 an export writes.
 
-Linen modules only: Qwix's NNX LoRA creates the adapters during an eager call of
-the model, which a scanned or pipelined `NnxLayerStack` cannot host. Not under a
-pipeline (a `stage` mesh axis): the pipelined stack applies its layers outside
-Qwix's interception, so that is refused.
+Two ways to apply them, one state: Qwix intercepts a Linen module's products
+(`x @ W + alpha / rank * (x @ A) @ B`), where it can; an NNX model, or any model
+under a pipeline (a `stage` mesh axis), gets the adapters folded into the weights it
+is called with (`merge_adapters`: `x @ (W + alpha / rank * A @ B)`). Qwix's NNX LoRA
+creates adapters during an eager call of the model, which a scanned or pipelined
+`NnxLayerStack` cannot host; a pipelined `LayerStack` applies its layers outside
+Qwix's interception. Folding works wherever the parameters go in: the adapters are
+parameters beside their weights (`add_adapters`, for NNX's `Linear`/`LinearGeneral`
+kernels; a Linen model's come from Qwix's init), named and laid out like them, and
+the step differentiates through the fold. It costs a `W`-sized temporary per adapted
+weight and, in the backward pass, the weight's full gradient (from which A's and B's
+follow); Qwix's unfolded product needs neither.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import re
+import zlib
 from collections.abc import Mapping
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
@@ -53,6 +64,9 @@ class Lora:
   rank: int
   alpha: float
   targets: tuple[str, ...]
+  #: Fold the adapters into the weights before the call (`merge_adapters`) instead of
+  #: Qwix's interception: under a pipeline (NNX models always fold).
+  fold: bool = False
 
   @classmethod
   def from_config(cls, config: ml_collections.ConfigDict) -> Lora | None:
@@ -86,13 +100,8 @@ class Lora:
       raise ValueError(f"config.freeze={tuple(config.freeze)} with config.lora: LoRA freezes "
                        f"every weight but the adapters already; leave config.freeze empty.")
     from strategies.pipeline import STAGE_AXIS
-    if STAGE_AXIS in tuple(config.strategy.mesh_axes):
-      raise ValueError(
-          f"config.lora with config.strategy.mesh_axes={tuple(config.strategy.mesh_axes)}: a "
-          f"pipelined layer stack applies its layers outside Qwix's interception, so the "
-          f"adapters would not be applied; LoRA runs under layouts without a "
-          f"{STAGE_AXIS!r} axis (data, FSDP, tensor parallel).")
-    return cls(int(spec.rank), float(spec.alpha), targets)
+    pipelined = STAGE_AXIS in tuple(config.strategy.mesh_axes)
+    return cls(int(spec.rank), float(spec.alpha), targets, fold=pipelined)
 
   def matched(self, paths: list[str]) -> list[str]:
     """The parameter paths the targets match.
@@ -161,3 +170,95 @@ def merged(values: Mapping[str, np.ndarray], lora: Mapping[str, Any]) -> dict[st
                       b.reshape(b.shape[:lead] + (rank, -1)))
     values[path] = (w + alpha / rank * delta.reshape(w.shape)).astype(w.dtype)
   return values
+
+
+# -- Adapters folded into the weights (NNX models; any model under a pipeline) -----------
+
+
+def nnx_weights(model: Any) -> dict[str, tuple[int, int]]:
+  """`{kernel path: (leading axes, input axes)}` of an NNX model's `Linear` and
+  `LinearGeneral` kernels (a stacked layer's `layer` axis is a leading axis): the
+  products whose weights can take adapters."""
+  from flax import nnx
+
+  out = {}
+  for path, module in nnx.iter_modules(model):
+    if isinstance(module, nnx.Linear):
+      inputs, outputs = 1, 1
+    elif isinstance(module, nnx.LinearGeneral):
+      inputs, outputs = len(module.in_features), len(module.out_features)
+    else:
+      continue
+    out["/".join(map(str, (*path, "kernel")))] = (module.kernel.ndim - inputs - outputs, inputs)
+  return out
+
+
+def _at(tree: dict, path: str) -> tuple[dict, str]:
+  *parents, leaf = path.split("/")
+  for key in parents:
+    tree = tree[key]
+  return tree, leaf
+
+
+def add_adapters(params: dict, weights: Mapping[str, tuple[int, int]], lora: Lora,
+                 rng: jax.Array) -> dict:
+  """`params` (nested dicts, boxed where annotated) with `<w>_lora_a [*lead, *inputs, rank]`
+  (He-uniform, as Qwix's) and `<w>_lora_b [*lead, rank, *outputs]` (zeros) beside every
+  weight `w` the targets match, boxed with the weight's names (A: its leading and input
+  axes', B: its leading and output axes'), so a rule table lays them out as the weight.
+
+  Raises:
+    ValueError: a matched parameter that is not a weight of `weights` (a bias, a norm, an
+      embedding).
+  """
+  import flax.linen as nn
+
+  from strategies.tree import keypath_str
+
+  paths = [keypath_str(p, drop_box=True) for p, _ in jax.tree_util.tree_leaves_with_path(
+      params, is_leaf=lambda x: isinstance(x, nn.meta.AxisMetadata))]
+  matched = lora.matched(paths)
+  missing = [p for p in matched if p not in weights]
+  if missing:
+    raise ValueError(f"config.lora.targets match {missing}, which no Linear or LinearGeneral "
+                     f"layer takes as its kernel (biases, norms and embedding lookups get no "
+                     f"adapters); target kernels, e.g. '.*self_attn/.*/kernel'.")
+  params = jax.tree.map(lambda x: x, params,  # A copy of the dicts: the caller's stays.
+                        is_leaf=lambda x: isinstance(x, nn.meta.AxisMetadata))
+  for path in matched:
+    lead, inputs = weights[path]
+    parent, name = _at(params, path)
+    boxed = parent[name]
+    w = boxed.value if isinstance(boxed, nn.meta.AxisMetadata) else boxed
+    split = lead + inputs
+    key = jax.random.fold_in(rng, zlib.crc32(path.encode()) & 0x7FFFFFFF)
+    init = jax.nn.initializers.he_uniform(in_axis=tuple(range(lead, split)), out_axis=-1,
+                                          batch_axis=tuple(range(lead)))
+    a = init(key, (*w.shape[:split], lora.rank), w.dtype)
+    b = jnp.zeros((*w.shape[:lead], lora.rank, *w.shape[split:]), w.dtype)
+    if isinstance(boxed, nn.meta.AxisMetadata):
+      names = tuple(boxed.names)
+      a = boxed.replace(value=a, names=(*names[:split], None))
+      b = boxed.replace(value=b, names=(*names[:lead], None, *names[split:]))
+    parent[name + SUFFIX_A], parent[name + SUFFIX_B] = a, b
+  return params
+
+
+def merge_adapters(params: Any, lora: Lora) -> Any:
+  """`params` (unboxed) with every adapter pair folded into its weight,
+  `W + alpha / rank * A @ B`, and the adapters removed: what a model without adapters
+  takes. The gradient flows through the fold to A and B."""
+  if isinstance(params, Mapping):
+    out = {}
+    for key, value in params.items():
+      if key.endswith((SUFFIX_A, SUFFIX_B)):
+        continue
+      if not isinstance(value, Mapping) and key + SUFFIX_A in params:
+        a, b = params[key + SUFFIX_A], params[key + SUFFIX_B]
+        lead = _leading_axes(value, a, b, lora.rank)
+        delta = jnp.matmul(a.reshape(*a.shape[:lead], -1, lora.rank),
+                           b.reshape(*b.shape[:lead], lora.rank, -1))
+        value = value + (lora.alpha / lora.rank) * delta.reshape(value.shape).astype(value.dtype)
+      out[key] = merge_adapters(value, lora)
+    return out
+  return params

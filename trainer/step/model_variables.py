@@ -129,13 +129,13 @@ def create(model: Any, *, sync_batchnorm: bool = False,
       data axis, so its statistics are over the global batch (per member).
     remat: checkpoint the training forward pass, or the named modules' calls
       (`trainer.step.remat`); None: keep every activation.
-    lora: add low-rank adapters to the weights it targets (`trainer.step.lora`;
-      Linen modules); None: the model as it is.
+    lora: add low-rank adapters to the weights it targets (`trainer.step.lora`: Qwix's
+      for a Linen module, folded into the weights for an NNX one or under a pipeline);
+      None: the model as it is.
 
   Raises:
     TypeError: an NNX module instance (its parameters exist already, so every
       ensemble member would share them) or something that is not a model.
-    ValueError: `lora` for an NNX model.
   """
   if isinstance(model, nn.Module):
     return LinenVariables(model, sync_batchnorm=sync_batchnorm, remat=remat, lora=lora)
@@ -147,13 +147,7 @@ def create(model: Any, *, sync_batchnorm: bool = False,
         f"every seed and ensemble member gets its own parameters, created where the "
         f"strategy places them.")
   if callable(model):
-    if lora is not None:
-      raise ValueError(
-          "config.lora: this model is an NNX one; LoRA here is Qwix's for Linen modules (Qwix "
-          "creates NNX adapters during an eager call, which a scanned or pipelined "
-          "NnxLayerStack cannot host). Train it without config.lora, or freeze layers with "
-          "config.freeze.")
-    return NnxVariables(model, sync_batchnorm=sync_batchnorm, remat=remat)
+    return NnxVariables(model, sync_batchnorm=sync_batchnorm, remat=remat, lora=lora)
   raise TypeError(f"build_model returned {model!r}; expected a flax.linen Module or a "
                   f"factory `rngs -> nnx.Module`.")
 
@@ -211,6 +205,10 @@ class LinenVariables(ModelVariables):
       self._adapted = adapted
     return self._adapted
 
+  def _lora_fold(self, params: PyTree) -> PyTree:
+    from trainer.step.lora import merge_adapters
+    return merge_adapters(nn.meta.unbox(params), self._lora)
+
   def _in_mode(self, inputs: Inputs, train: bool) -> tuple[nn.Module, tuple, dict]:
     """The module with its mode fields set, and the call's arguments with its mode arguments."""
     args, kwargs = inputs
@@ -244,6 +242,9 @@ class LinenVariables(ModelVariables):
 
   def apply(self, params, model_state, inputs, *, rngs, train, require_batch_axis=False):
     module, args, kwargs = self._in_mode(inputs, train)
+    if self._lora is not None and self._lora.fold:  # Qwix made them; the weights take them.
+      module = _with_mode_fields(self._module, train)
+      params = self._lora_fold(params)
     variables = {"params": params, **model_state}
     mutable = list(model_state) if train and model_state else False
     with contextlib.ExitStack() as stack:
@@ -342,10 +343,11 @@ class NnxVariables(ModelVariables):
   linen = False
 
   def __init__(self, factory: Callable[..., nnx.Module], *, sync_batchnorm: bool = False,
-               remat: Remat | None = None):
+               remat: Remat | None = None, lora: Lora | None = None):
     self._factory = factory
     self._sync_batchnorm = sync_batchnorm
     self._remat = remat
+    self._lora = lora  # Folded into the weights (`trainer.step.lora.merge_adapters`).
     self._call: inspect.Signature | None = None  # `__call__`'s, known once a module exists.
 
   @property
@@ -389,12 +391,21 @@ class NnxVariables(ModelVariables):
     model = self._build(rngs)
     if self._remat and self._remat.modules:
       self._remat.check_found(name for _, m in nnx.iter_modules(model) for name in class_names(m))
-    return self._split(model)
+    params, model_state = self._split(model)
+    if self._lora is not None:
+      from trainer.step import lora
+      params = lora.add_adapters(params, lora.nnx_weights(model), self._lora,
+                                 dict(rngs)["params"])
+    return params, model_state
 
   def apply(self, params, model_state, inputs, *, rngs, train, require_batch_axis=False):
     model = self._build(rngs)
     values = nnx.state(model, nnx.Param)
-    nnx.replace_by_pure_dict(values, nn.meta.unbox(params))
+    params = nn.meta.unbox(params)
+    if self._lora is not None:
+      from trainer.step.lora import merge_adapters
+      params = merge_adapters(params, self._lora)
+    nnx.replace_by_pure_dict(values, params)
     rest = nnx.state(model, _NNX_MODEL_STATE)
     nnx.replace_by_pure_dict(rest, model_state)
     nnx.update(model, values, rest)
