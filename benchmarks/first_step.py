@@ -17,8 +17,8 @@ and the first compile:
 Each program runs once untimed first (MNIST's TFDS files are prepared then, and the
 OS's file cache is warm for both columns alike). `--baseline REF` runs the same commands
 in a git worktree of REF (e.g. the commit before a change) in the same run, one after the
-other per program, and prints both and their ratio: the machines here are shared and noisy, so only a ratio measured side by side is
-worth quoting.
+other per program, and prints both and their ratio: the machines here are shared and
+noisy, so only a ratio measured side by side is worth quoting.
 """
 
 from __future__ import annotations
@@ -101,7 +101,7 @@ def main() -> None:
       time_to_first_step(commands(ROOT, tempfile.mkdtemp(dir=scratch), args.mnist_dir)[program],
                          ROOT, tempfile.mkdtemp(dir=scratch))
       row = []
-      for name, tree in trees.items():
+      for tree in trees.values():
         workdir = tempfile.mkdtemp(dir=scratch)
         cache = tempfile.mkdtemp(dir=scratch)
         command = commands(tree, workdir, args.mnist_dir)[program]
