@@ -143,7 +143,8 @@ class LlamaLM(nnx.Module):
 
   The fields are HF's `LlamaConfig` fields under this project's names: `vocab_size`,
   `num_layers` (`num_hidden_layers`), `embed_dim` (`hidden_size`), `num_heads`
-  (`num_attention_heads`), `num_kv_heads` (`num_key_value_heads`), `head_dim`,
+  (`num_attention_heads`), `num_kv_heads` (`num_key_value_heads`), `head_dim` (None:
+  `embed_dim // num_heads`),
   `mlp_dim` (`intermediate_size`), `max_len` (`max_position_embeddings`),
   `rms_norm_eps`, `rope_theta`, `tie_word_embeddings`, and the variants of the family
   (`LlamaBlock`): `rope_scaling` (Llama 3.1's), `qkv_bias` (Qwen2), `qk_norm` (Qwen3),
@@ -153,7 +154,7 @@ class LlamaLM(nnx.Module):
   """
 
   def __init__(self, vocab_size: int, num_layers: int = 2, embed_dim: int = 64,
-               num_heads: int = 4, num_kv_heads: int = 2, head_dim: int = 16,
+               num_heads: int = 4, num_kv_heads: int = 2, head_dim: int | None = None,
                mlp_dim: int = 128, max_len: int = 128, rms_norm_eps: float = 1e-6,
                rope_theta: float = 10000.0, tie_word_embeddings: bool = False,
                vocab_multiple: int = 1, rope_scaling: dict | None = None,
@@ -162,6 +163,7 @@ class LlamaLM(nnx.Module):
     if num_heads % num_kv_heads:
       raise ValueError(f"num_heads={num_heads} must be a multiple of "
                        f"num_kv_heads={num_kv_heads} (grouped-query attention).")
+    head_dim = head_dim or embed_dim // num_heads  # HF's default when config.json has none.
     self.max_len, self.tie_word_embeddings = max_len, tie_word_embeddings
     self.vocab_size = vocab_size
     rows = padded_size(vocab_size, vocab_multiple)

@@ -76,6 +76,8 @@ FEW_STEPS = {
                                 "--sample_tokens=2"],
     "trainer.export": [],  # Reads one checkpoint: seconds as written.
     "benchmarks/hf_load.py": ["--layers", "1", "--embed", "64", "--vocab", "256"],
+    # The import row alone: two interpreters per column (an untimed one first).
+    "benchmarks/first_step.py": ["--programs", "imports"],
 }
 
 #: Documented paths that another documented command makes: before a command that reads one
@@ -107,6 +109,7 @@ EXPECTED_OUTPUT = {
     "examples/finetune_lm.py": r"^validation loss: before=\d+\.\d{4} after=\d+\.\d{4}",
     "trainer.export": r"^wrote \d+ tensors to \S+model\.safetensors",
     "benchmarks/hf_load.py": r"^fsdp \(8 devices\)\s+\d+\.\d\s+\d+\.\d{3}\s+\d+\.\d{2}",
+    "benchmarks/first_step.py": r"^imports\s+\d+\.\d\s+\d+\.\d\s+\d+\.\d{2}$",
 }
 
 

@@ -7,9 +7,12 @@ The JAX stack announces things a user cannot act on, on every start:
   backend 'tpu'`) on every machine without a TPU: it tries the platforms it may
   find and skips the missing ones; a platform that is asked for and fails still
   raises;
-- TensorFlow, which tfds and clu's TensorBoard writer import, prints its C++
-  notices (oneDNN) when it loads: `TF_CPP_MIN_LOG_LEVEL=1` keeps its warnings and
-  errors, unless the user set the variable;
+- TensorFlow, which tfds imports to prepare a dataset, prints its C++ notices
+  (oneDNN, the CPU instructions it was not built for) when it loads:
+  `TF_CPP_MIN_LOG_LEVEL=1` keeps its warnings and errors, unless the user set the
+  variable; TensorFlow 2.21 writes these notices through absl's C++ logging before
+  that is initialised, past the variable, so the first import of `tensorflow`
+  runs with its standard error captured and written back without them;
 - tfds warns that OpenCV is not installed when it decodes an image with PIL,
   which is the decoder this project installs.
 
@@ -21,14 +24,22 @@ called when `trainer` is imported; calling it again changes nothing.
 
 from __future__ import annotations
 
+import importlib.abc
+import importlib.util
 import logging
 import os
+import sys
+import tempfile
 
 #: Records that announce no failure: (logger name, start of the message).
 NOT_FAILURES = (
     ("jax._src.xla_bridge", "Unable to initialize backend"),
     ("absl", "OpenCV is not installed"),
 )
+#: What TensorFlow's C++ start-up writes to standard error that announces no failure.
+TF_NOTICES = ("oneDNN custom operations are on", "This TensorFlow binary is optimized",
+              "To enable the following instructions", "rebuild TensorFlow with the appropriate",
+              "WARNING: All log messages before absl::InitializeLog()")
 #: The length of an event's one line before it is cut (the rest at `--verbosity=1`).
 LINE_CHARS = 400
 
@@ -50,13 +61,58 @@ class _NotFailures(logging.Filter):
 
 
 def quiet() -> None:
-  """Keeps the stack's start-up notices (`NOT_FAILURES`, TensorFlow's C++ INFO) off the
+  """Keeps the stack's start-up notices (`NOT_FAILURES`, TensorFlow's C++ notices) off the
   console at the default verbosity."""
   os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")  # Before TensorFlow loads.
   for name in {name for name, _ in NOT_FAILURES}:
     logger = logging.getLogger(name)
     if not any(isinstance(f, _NotFailures) for f in logger.filters):
       logger.addFilter(_NotFailures())
+  if "tensorflow" not in sys.modules and not any(
+      isinstance(f, _QuietTensorFlowImport) for f in sys.meta_path):
+    sys.meta_path.insert(0, _QuietTensorFlowImport())
+
+
+class _QuietTensorFlowImport(importlib.abc.MetaPathFinder):
+  """Finds `tensorflow` with the other finders, once, and loads it with standard error (the
+  file descriptor: C++ writes there) captured; what it wrote comes back less `TF_NOTICES`
+  (all of it at `--verbosity=1`)."""
+
+  def find_spec(self, name, path, target=None):
+    if name != "tensorflow":
+      return None
+    sys.meta_path.remove(self)  # Once; the other finders find the real module.
+    spec = importlib.util.find_spec(name)
+    if spec is not None and spec.loader is not None:
+      spec.loader = _QuietLoader(spec.loader)
+    return spec
+
+
+class _QuietLoader(importlib.abc.Loader):
+  def __init__(self, loader):
+    self._loader = loader
+
+  def create_module(self, spec):
+    return self._loader.create_module(spec)
+
+  def exec_module(self, module):
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as captured:
+      os.dup2(captured.fileno(), 2)
+      try:
+        self._loader.exec_module(module)
+      finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        captured.seek(0)
+        text = captured.read().decode(errors="replace")
+        kept = [line for line in text.splitlines(keepends=True)
+                if verbose() or not line.strip() or not any(n in line for n in TF_NOTICES)]
+        kept = [line for line in kept if line.strip() or verbose()]
+        if kept:
+          sys.stderr.write("".join(kept))
+          sys.stderr.flush()
 
 
 def one_line(error: BaseException | str) -> str:

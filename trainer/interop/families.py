@@ -227,7 +227,7 @@ def _llama_hf_config(f: Mapping[str, Any]) -> dict[str, Any]:
              vocab_size=f["vocab_size"], hidden_size=f["embed_dim"],
              intermediate_size=f["mlp_dim"], num_hidden_layers=f["num_layers"],
              num_attention_heads=f["num_heads"], num_key_value_heads=f["num_kv_heads"],
-             head_dim=f["head_dim"], max_position_embeddings=f["max_len"],
+             head_dim=_head_dim(f), max_position_embeddings=f["max_len"],
              rms_norm_eps=f["rms_norm_eps"], rope_theta=f["rope_theta"], rope_parameters=rope,
              tie_word_embeddings=f["tie_word_embeddings"], hidden_act="silu", dtype="float32")
   if kind in ("llama", "qwen3"):
@@ -243,8 +243,14 @@ def _llama_hf_config(f: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _llama_dims(f: Mapping[str, Any]) -> dict[str, int]:
-  return dict(E=f["embed_dim"], H=f["num_heads"], K=f["num_kv_heads"], D=f["head_dim"],
+  return dict(E=f["embed_dim"], H=f["num_heads"], K=f["num_kv_heads"], D=_head_dim(f),
               F=f["mlp_dim"])
+
+
+def _head_dim(f: Mapping[str, Any]) -> int:
+  """The model's head width (None in `config.model`: `embed_dim // num_heads`, as the
+  module and HF take it)."""
+  return int(f.get("head_dim") or f["embed_dim"] // f["num_heads"])
 
 
 def _llama_rules(f: Mapping[str, Any]) -> list[Rule]:
