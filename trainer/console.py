@@ -78,24 +78,33 @@ class _QuietTensorFlowImport(importlib.abc.MetaPathFinder):
   file descriptor: C++ writes there) captured; what it wrote comes back less `TF_NOTICES`
   (all of it at `--verbosity=1`)."""
 
+  _finding = False
+
   def find_spec(self, name, path, target=None):
-    if name != "tensorflow":
+    # A look-up that is not an import (`importlib.util.find_spec`, as tfds checks what is
+    # installed) gets the same wrapped spec; the finder leaves once the module is loaded.
+    if name != "tensorflow" or self._finding:
       return None
-    sys.meta_path.remove(self)  # Once; the other finders find the real module.
-    spec = importlib.util.find_spec(name)
+    self._finding = True
+    try:
+      spec = importlib.util.find_spec(name)  # The other finders' (this one skips itself).
+    finally:
+      self._finding = False
     if spec is not None and spec.loader is not None:
-      spec.loader = _QuietLoader(spec.loader)
+      spec.loader = _QuietLoader(spec.loader, self)
     return spec
 
 
 class _QuietLoader(importlib.abc.Loader):
-  def __init__(self, loader):
-    self._loader = loader
+  def __init__(self, loader, finder):
+    self._loader, self._finder = loader, finder
 
   def create_module(self, spec):
     return self._loader.create_module(spec)
 
   def exec_module(self, module):
+    if self._finder in sys.meta_path:
+      sys.meta_path.remove(self._finder)
     sys.stderr.flush()
     saved = os.dup(2)
     with tempfile.TemporaryFile() as captured:

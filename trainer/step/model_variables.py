@@ -205,10 +205,6 @@ class LinenVariables(ModelVariables):
       self._adapted = adapted
     return self._adapted
 
-  def _lora_fold(self, params: PyTree) -> PyTree:
-    from trainer.step.lora import merge_adapters
-    return merge_adapters(nn.meta.unbox(params), self._lora)
-
   def _in_mode(self, inputs: Inputs, train: bool) -> tuple[nn.Module, tuple, dict]:
     """The module with its mode fields set, and the call's arguments with its mode arguments."""
     args, kwargs = inputs
@@ -243,8 +239,9 @@ class LinenVariables(ModelVariables):
   def apply(self, params, model_state, inputs, *, rngs, train, require_batch_axis=False):
     module, args, kwargs = self._in_mode(inputs, train)
     if self._lora is not None and self._lora.fold:  # Qwix made them; the weights take them.
+      from trainer.step.lora import merge_adapters
       module = _with_mode_fields(self._module, train)
-      params = self._lora_fold(params)
+      params = merge_adapters(nn.meta.unbox(params), self._lora)
     variables = {"params": params, **model_state}
     mutable = list(model_state) if train and model_state else False
     with contextlib.ExitStack() as stack:
