@@ -92,9 +92,7 @@ def write_base_model(config, directory: str) -> None:
   init = trainer.steps.init_fn(_batches(config, [0] * (config.seq_len + 1), 0, 1)[0])
   params = jax.jit(lambda rng: init(rng).params)(jax.random.PRNGKey(config.seed))
   values = variables_by_collection(jax.device_get(params), {}, linen=True)["params"]
-  fields = config.model.to_dict()
-  hf.export(values, {**model_fields(**fields), "family": fields["family"]},  # Defaults filled.
-            directory)
+  hf.export(values, model_fields(**config.model.to_dict()), directory)  # Defaults filled.
 
 
 def _batches(config, ids, start: int, count: int, rows=slice(None)):

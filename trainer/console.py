@@ -116,9 +116,8 @@ class _QuietLoader(importlib.abc.Loader):
         os.close(saved)
         captured.seek(0)
         text = captured.read().decode(errors="replace")
-        kept = [line for line in text.splitlines(keepends=True)
-                if verbose() or not line.strip() or not any(n in line for n in TF_NOTICES)]
-        kept = [line for line in kept if line.strip() or verbose()]
+        kept = [line for line in text.splitlines(keepends=True) if verbose() or (
+            line.strip() and not any(n in line for n in TF_NOTICES))]
         if kept:
           sys.stderr.write("".join(kept))
           sys.stderr.flush()

@@ -28,14 +28,15 @@ def language_model(family: str = "transformer", **fields):
   """
   fields = model_fields(family, **fields)
   if family == "transformer":
-    return models.TransformerLM(**fields)
+    return models.TransformerLM(**{k: v for k, v in fields.items() if k != "family"})
   from trainer.interop import families
-  return families.get(family).build(dict(fields, family=family))
+  return families.get(family).build(fields)
 
 
 def model_fields(family: str = "transformer", **fields) -> dict:
-  """`config.model`'s fields for `family`'s module: the ones set (not None), each other
-  field of the module at its default (what an HF export of the model writes).
+  """`config.model`'s fields for `family`'s module, `family` included: the ones set (not
+  None), each other field of the module at its default (what an HF export of the model
+  writes).
 
   Raises:
     ValueError: a field set (not None) that the family's module does not have.
@@ -62,7 +63,7 @@ def model_fields(family: str = "transformer", **fields) -> dict:
                      f"it None, or pick the family that has it (config.model.family).")
   kept = {name: value for name, value in defaults.items()
           if value is not dataclasses.MISSING and value is not inspect.Parameter.empty}
-  return {**kept, **fields}
+  return {**kept, **fields, "family": family}
 
 
 class LanguageModelTrainer(Trainer):

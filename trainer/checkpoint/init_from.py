@@ -253,7 +253,7 @@ def vocab_axes(params: PyTree) -> dict[str, dict[str, int]]:
   for path, _, _, names, _ in annotations(params):
     dims = [d for d, entry in enumerate(names) if "vocab" in axis_names(entry)]
     if dims:
-      out[path.removesuffix("/value")] = dims[0]
+      out[path] = dims[0]
   return {"params": out}
 
 
