@@ -243,6 +243,15 @@ def get_config() -> ml_collections.ConfigDict:
   config.strategy.pipeline.microbatches = 0
   config.strategy.pipeline.repeats = 1
   config.strategy.pipeline.remat = False
+  # sharded_data_parallel with a 'context' mesh axis (and the rule ('length', 'context')):
+  # every sequence is split over it (strategies/context.py) and the model's attention
+  # (models.attention.attention) runs by `method`: "all_gather" (keys and values gathered
+  # over the axis) or "ring" (passed round it, softmax combined online). `load_balance`:
+  # hold each sequence in the load-balanced causal order (device i: chunks i and
+  # 2*context-1-i), so causal attention's work is equal on every device.
+  config.strategy.context = ml_collections.ConfigDict()
+  config.strategy.context.method = "all_gather"
+  config.strategy.context.load_balance = True
   # sharded_ensemble: devices on the (ensemble, data) mesh axes; members are
   # split over 'ensemble' (ensemble_size must be a multiple of it), each
   # member's batch over 'data'. -1 takes the remaining devices.

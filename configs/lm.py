@@ -21,6 +21,17 @@ runs through them in `config.strategy.pipeline.microbatches` pieces.
   `s` holds layers `s` and `s + 4`), 8 microbatches.
 - `pipeline_fsdp`: `pipeline` with `embed -> data` (weights sharded within a stage).
 - `pipeline_tensor`: 2 data x 2 stages x 2 model, tensor parallel within a stage.
+
+Context layouts (`strategies/context.py`): a `context` mesh axis and the rule
+`length -> context` split every sequence over it; attention (`models.attention`)
+gathers keys and values over it, or passes them round a ring
+(`config.strategy.context.method`).
+
+- `context`: the whole mesh on `context` (1 data x 8 context), all-gather attention.
+- `context_ring`: `context` with ring attention.
+- `data_context`: 2 data x 4 context.
+- `context_tensor`: 2 context x 4 model, tensor parallel over heads.
+- `context_fsdp`: 2 data x 4 context, weights sharded over `data` (`embed -> data`).
 """
 
 import ml_collections
@@ -57,7 +68,15 @@ LAYOUTS = {
     "pipeline_fsdp": ((2, -1), ("data", "stage"), rules(layer="stage", embed="data")),
     "pipeline_tensor": ((2, 2, -1), ("data", "stage", "model"),
                         rules(layer="stage", **_TENSOR)),
+    "context": ((1, -1), ("data", "context"), rules(length="context")),
+    "context_ring": ((1, -1), ("data", "context"), rules(length="context")),
+    "data_context": ((2, -1), ("data", "context"), rules(length="context")),
+    "context_tensor": ((1, 2, -1), ("data", "context", "model"),
+                       rules(length="context", **_TENSOR)),
+    "context_fsdp": ((2, -1), ("data", "context"), rules(length="context", embed="data")),
 }
+#: The context layouts' `config.strategy.context` fields.
+CONTEXTS = {"context_ring": dict(method="ring")}
 #: The pipeline layouts' layers and `config.strategy.pipeline` fields.
 PIPELINES = {
     "pipeline": dict(num_layers=4, microbatches=8),
@@ -95,4 +114,5 @@ def get_config(layout: str = "data_parallel") -> ml_collections.ConfigDict:
     fields = dict(PIPELINES[layout])
     config.model.num_layers = fields.pop("num_layers")
     config.strategy.pipeline.update(fields)
+  config.strategy.context.update(CONTEXTS.get(layout, {}))
   return config

@@ -11,7 +11,10 @@ r"""Fine-tunes a Hugging Face-format language model on a text file, samples from
   own `tokenizer.json`, else a byte-level BPE trained here on the text with the
   model's vocabulary size (saved to `<workdir>/tokenizer.json`).
 - The text: `--text` files (default: this repository's README and docs, a corpus
-  every clone has), 90% to train on, the last 10% held out.
+  every clone has), 90% to train on, the last 10% held out. Its paragraphs are the
+  documents: the train batches pack them into rows of `config.seq_len` tokens
+  (`trainer.data.packing`: each row's documents kept apart by segment ids, each
+  counting its positions from 0, the padding out of the loss).
 
 It prints the validation loss before and after training, a few sampled
 continuations of held-out text, and exports the result as an HF model
@@ -95,6 +98,11 @@ def write_base_model(config, directory: str) -> None:
   hf.export(values, model_fields(**config.model.to_dict()), directory)  # Defaults filled.
 
 
+def documents(text: str) -> list[str]:
+  """The text's paragraphs (split at blank lines), the documents the train batches pack."""
+  return [p.strip() for p in text.split("\n\n") if p.strip()]
+
+
 def _batches(config, ids, start: int, count: int, rows=slice(None)):
   """`count` batches of `config.batch_size` windows of `ids`: batch s draws its windows from
   (seed, s) alone, so a resumed run sees the same batches."""
@@ -174,6 +182,7 @@ def finetune(config, workdir: str) -> None:
 
   from trainer import LanguageModelTrainer, writers
   from trainer.checkpoint import Checkpointer
+  from trainer.data import packing
   from trainer.distributed.devices import is_primary
   from trainer.export import export_checkpoint
   from trainer.interop import hf
@@ -196,9 +205,12 @@ def finetune(config, workdir: str) -> None:
   if tokenizer.get_vocab_size() > config.model.vocab_size:
     raise app.UsageError(f"the tokenizer {tokenizer_path} has {tokenizer.get_vocab_size()} "
                          f"tokens but the model's vocab_size is {config.model.vocab_size}.")
-  ids = tokenizer.encode(text).ids
-  split = int(len(ids) * 0.9)
-  train_ids, held_ids = ids[:split], ids[split:]
+  docs = [ids for ids in (e.ids for e in tokenizer.encode_batch(documents(text))) if ids]
+  split = int(len(docs) * 0.9)
+  train_docs = docs[:split]
+  held_ids = [i for d in docs[split:] for i in d]
+  train_ids = [i for d in train_docs for i in d]
+  ids = train_ids + held_ids
   if len(held_ids) <= config.seq_len + 1:
     raise app.UsageError(f"--text holds {len(ids)} tokens: too few to hold out windows of "
                          f"config.seq_len={config.seq_len}.")
@@ -211,11 +223,10 @@ def finetune(config, workdir: str) -> None:
   checkpointer = Checkpointer.from_config(config, workdir)
   writer = writers.create_writer(workdir, config.writers, config)
 
-  def stream(start):
-    step = start
-    while True:
-      yield _batches(config, train_ids, step, 1, rows)[0]
-      step += 1
+  def stream(start):  # Batch s is the same whichever step a run starts from.
+    return packing.packed_batches(train_docs, length=config.seq_len,
+                                  batch_size=config.batch_size, seed=config.seed,
+                                  start_step=start, rows=rows)
 
   try:
     # The loaded model, evaluated, is the state training starts from (one init, not two);
@@ -236,7 +247,8 @@ def finetune(config, workdir: str) -> None:
   if not is_primary():
     return
   print(f"validation loss: before={before:.4f} after={after:.4f} "
-        f"({len(train_ids)} train / {len(held_ids)} held-out tokens)")
+        f"({len(train_ids)} train tokens in {len(train_docs)} packed documents / "
+        f"{len(held_ids)} held-out tokens)")
   for prompt, continuation in samples:
     print(f"--- ...{prompt[-60:]!r}\n+++ {continuation!r}")
   out = os.path.join(workdir, "hf")

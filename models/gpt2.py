@@ -22,6 +22,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from models.attention import attention, sequence_positions
 from models.layer_stack import LayerStack
 from models.vocab import mask_padding, padded_size
 
@@ -39,7 +40,8 @@ def _norm(name: str, eps: float) -> nn.LayerNorm:
 
 
 class GPT2Block(nn.Module):
-  """`x -> x`: pre-norm causal self-attention, then the MLP, each added to the residual."""
+  """`(x, segment_ids) -> (x, segment_ids)`: pre-norm causal self-attention, then the MLP,
+  each added to the residual."""
 
   num_heads: int
   head_dim: int
@@ -49,14 +51,15 @@ class GPT2Block(nn.Module):
   deterministic: bool = True
 
   @nn.compact
-  def __call__(self, x: jax.Array) -> jax.Array:
+  def __call__(self, carry: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+    x, segment_ids = carry
     y = _norm("ln_1", self.layer_norm_epsilon)(x)
     y = _Attention(self.num_heads, self.head_dim, self.dropout_rate, self.deterministic,
-                   name="attn")(y)
+                   name="attn")(y, segment_ids)
     x = nn.with_logical_constraint(x + y, ("batch", "length", "embed"))
     y = _norm("ln_2", self.layer_norm_epsilon)(x)
     y = _Mlp(self.mlp_dim, self.dropout_rate, self.deterministic, name="mlp")(y)
-    return nn.with_logical_constraint(x + y, ("batch", "length", "embed"))
+    return nn.with_logical_constraint(x + y, ("batch", "length", "embed")), segment_ids
 
 
 class _Projection(nn.Module):
@@ -83,20 +86,18 @@ class _Attention(nn.Module):
   deterministic: bool
 
   @nn.compact
-  def __call__(self, y: jax.Array) -> jax.Array:
+  def __call__(self, y: jax.Array, segment_ids: jax.Array) -> jax.Array:
     embed = y.shape[-1]
     heads = (self.num_heads, self.head_dim)
     qkv = _Projection((embed,), (3, *heads), ("embed", None, "heads", "kv"),
                       name="c_attn")(y)
     q, k, v = (nn.with_logical_constraint(qkv[:, :, i], ("batch", "length", "heads", "kv"))
                for i in range(3))
-    mask = nn.make_causal_mask(jnp.ones(y.shape[:2], jnp.int32))
     dropout_rng = None
     if self.dropout_rate > 0 and not self.deterministic:
       dropout_rng = self.make_rng("dropout")
-    attended = nn.dot_product_attention(q, k, v, mask=mask, dropout_rng=dropout_rng,
-                                        dropout_rate=self.dropout_rate,
-                                        deterministic=self.deterministic)
+    attended = attention(q, k, v, segment_ids=segment_ids, dropout_rng=dropout_rng,
+                         dropout_rate=self.dropout_rate, deterministic=self.deterministic)
     attended = nn.with_logical_constraint(attended, ("batch", "length", "heads", "kv"))
     out = _Projection(heads, (embed,), ("heads", "kv", "embed"), name="c_proj")(attended)
     return nn.Dropout(self.dropout_rate, deterministic=self.deterministic)(out)
@@ -145,7 +146,8 @@ class GPT2LM(nn.Module):
   vocab_multiple: int = 1
 
   @nn.compact
-  def __call__(self, tokens: jax.Array, train: bool = False) -> jax.Array:
+  def __call__(self, tokens: jax.Array, segment_ids: jax.Array | None = None,
+               positions: jax.Array | None = None, train: bool = False) -> jax.Array:
     length = tokens.shape[1]
     if length > self.max_len:
       raise ValueError(f"sequence length {length} exceeds max_len={self.max_len}")
@@ -159,16 +161,19 @@ class GPT2LM(nn.Module):
     rows = padded_size(self.vocab_size, self.vocab_multiple)
     embedding = nn.Embed(rows, self.embed_dim, name="token_embedding",
                          embedding_init=_param(_init, ("vocab", "embed")))
-    positions = self.param("position_embedding", _param(nn.initializers.normal(0.01),
-                                                        ("length", "embed")),
-                           (self.max_len, self.embed_dim))
-    x = embedding(tokens) + positions[:length]
+    table = self.param("position_embedding", _param(nn.initializers.normal(0.01),
+                                                    ("length", "embed")),
+                       (self.max_len, self.embed_dim))
+    where = sequence_positions(*tokens.shape) if positions is None else positions
+    x = embedding(tokens) + jnp.take(table, where, axis=0)
     x = nn.Dropout(self.dropout_rate, deterministic=not train)(x)
     x = nn.with_logical_constraint(x, ("batch", "length", "embed"))
     block = dict(num_heads=self.num_heads, head_dim=self.embed_dim // self.num_heads,
                  mlp_dim=self.mlp_dim, layer_norm_epsilon=self.layer_norm_epsilon,
                  dropout_rate=self.dropout_rate, deterministic=not train)
-    x = LayerStack(GPT2Block, self.num_layers, block, name="blocks")(x)
+    if segment_ids is None:
+      segment_ids = jnp.zeros(tokens.shape, jnp.int32)
+    x, _ = LayerStack(GPT2Block, self.num_layers, block, name="blocks")((x, segment_ids))
     x = _norm("ln_f", self.layer_norm_epsilon)(x)
     logits = mask_padding(embedding.attend(x), self.vocab_size)
     return nn.with_logical_constraint(logits, ("batch", "length", "vocab"))

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from models.attention import attention, sequence_positions
 from models.layer_stack import NnxLayerStack
 from models.vocab import mask_padding, padded_size
 
@@ -61,18 +62,23 @@ def inverse_frequencies(dim: int, theta: float, scaling: dict | None = None) -> 
   return jnp.where(medium, smoothed, scaled)
 
 
-def rotary(x: jax.Array, theta: float, scaling: dict | None = None) -> jax.Array:
+def rotary(x: jax.Array, theta: float, scaling: dict | None = None,
+           positions: jax.Array | None = None) -> jax.Array:
   """`x [batch, length, heads, head_dim]` rotated by its position (HF's `rotate_half` rope;
-  `scaling`: `inverse_frequencies`)."""
+  `scaling`: `inverse_frequencies`; `positions [batch, length]`: each token's, by default
+  its place in the sequence)."""
   inv_freq = inverse_frequencies(x.shape[-1], theta, scaling)
-  angles = jnp.arange(x.shape[1], dtype=jnp.float32)[:, None] * inv_freq[None, :]
-  angles = jnp.concatenate([angles, angles], axis=-1)[None, :, None, :]
+  if positions is None:
+    positions = sequence_positions(*x.shape[:2])
+  angles = positions.astype(jnp.float32)[..., None] * inv_freq
+  angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]
   y = x.astype(jnp.float32)
   return (y * jnp.cos(angles) + rotate_half(y) * jnp.sin(angles)).astype(x.dtype)
 
 
 class LlamaBlock(nnx.Module):
-  """`x -> x`: RMSNorm, grouped-query attention with rotary embeddings, RMSNorm, SwiGLU.
+  """`(x, segment_ids, positions) -> the same`: RMSNorm, grouped-query attention with rotary
+  embeddings, RMSNorm, SwiGLU.
 
   The family's variants: `qkv_bias` (Qwen2's q/k/v biases), `qk_norm` (Qwen3's RMSNorm of
   each query and key head before the rope), `sliding_window` (Mistral's: a token attends to
@@ -116,26 +122,27 @@ class LlamaBlock(nnx.Module):
         down_proj=nnx.Linear(mlp_dim, embed, use_bias=False,
                              kernel_init=_with(("mlp", "embed")), rngs=rngs))
 
-  def __call__(self, x: jax.Array) -> jax.Array:
+  def __call__(self, carry: tuple[jax.Array, jax.Array, jax.Array]) -> tuple:
+    x, segment_ids, positions = carry
     attn, mlp = self.self_attn, self.mlp
     y = self.input_layernorm(x)
     q, k = attn["q_proj"](y), attn["k_proj"](y)
     if "q_norm" in attn:  # Qwen3: each head normalised before the rope.
       q, k = attn["q_norm"](q), attn["k_norm"](k)
     scaling = dict(self.rope_scaling) if self.rope_scaling else None
-    q, k = rotary(q, self.rope_theta, scaling), rotary(k, self.rope_theta, scaling)
+    q, k = (rotary(t, self.rope_theta, scaling, positions) for t in (q, k))
     v = attn["v_proj"](y)
     q = nn.with_logical_constraint(q, ("batch", "length", "heads", "kv"))
     k, v = (nn.with_logical_constraint(t, ("batch", "length", "kv_heads", "kv")) for t in (k, v))
     # Query head h reads key/value head h // (num_heads // num_kv_heads), as HF's repeat_kv.
-    window = None if self.sliding_window is None else (self.sliding_window - 1, 0)
-    attended = jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=window)
+    attended = attention(q, k, v, segment_ids=segment_ids, window=self.sliding_window)
     attended = nn.with_logical_constraint(attended, ("batch", "length", "heads", "kv"))
     x = nn.with_logical_constraint(x + attn["o_proj"](attended), ("batch", "length", "embed"))
     y = self.post_attention_layernorm(x)
     h = nnx.silu(mlp["gate_proj"](y)) * mlp["up_proj"](y)
     h = nn.with_logical_constraint(h, ("batch", "length", "mlp"))
-    return nn.with_logical_constraint(x + mlp["down_proj"](h), ("batch", "length", "embed"))
+    x = nn.with_logical_constraint(x + mlp["down_proj"](h), ("batch", "length", "embed"))
+    return x, segment_ids, positions
 
 
 class LlamaLM(nnx.Module):
@@ -180,11 +187,19 @@ class LlamaLM(nnx.Module):
         embed_dim, rows, use_bias=False, kernel_init=_with(("embed", "vocab")),
         rngs=rngs)
 
-  def __call__(self, tokens: jax.Array) -> jax.Array:
+  def __call__(self, tokens: jax.Array, segment_ids: jax.Array | None = None,
+               positions: jax.Array | None = None) -> jax.Array:
+    """Logits of `tokens`; a packed batch passes `segment_ids` (each token's document, 0:
+    padding) and `positions` (each token's place in its document)."""
     if tokens.shape[1] > self.max_len:
       raise ValueError(f"sequence length {tokens.shape[1]} exceeds max_len={self.max_len}")
+    if positions is None:
+      positions = sequence_positions(*tokens.shape)
+    if segment_ids is None:
+      segment_ids = jnp.zeros(tokens.shape, jnp.int32)
     x = nn.with_logical_constraint(self.embed_tokens(tokens), ("batch", "length", "embed"))
-    x = self.norm(self.blocks(x))
+    x, _, _ = self.blocks((x, segment_ids, positions))
+    x = self.norm(x)
     logits = (self.embed_tokens.attend(x) if self.lm_head is None else self.lm_head(x))
     logits = mask_padding(logits, self.vocab_size)
     return nn.with_logical_constraint(logits, ("batch", "length", "vocab"))

@@ -12,6 +12,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from models.attention import attention, sequence_positions
 from models.layer_stack import LayerStack
 from models.vocab import mask_padding, padded_size
 
@@ -23,14 +24,16 @@ def _param(init, names: tuple[str, ...]):
 
 
 class DecoderBlock(nn.Module):
-  """Pre-norm causal self-attention and MLP, `x -> x`: one layer of a `LayerStack`."""
+  """Pre-norm causal self-attention and MLP, `(x, segment_ids) -> (x, segment_ids)`: one
+  layer of a `LayerStack` (the segment ids of a packed batch travel with the activations)."""
 
   num_heads: int
   head_dim: int
   mlp_dim: int
 
   @nn.compact
-  def __call__(self, x: jax.Array) -> jax.Array:
+  def __call__(self, carry: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+    x, segment_ids = carry
     embed = x.shape[-1]
     norm = lambda name: nn.LayerNorm(  # noqa: E731 -- two identical norms.
         name=name, scale_init=_param(nn.initializers.ones, ("embed",)),
@@ -45,8 +48,7 @@ class DecoderBlock(nn.Module):
                for name in ("query", "key", "value"))
     q, k, v = (nn.with_logical_constraint(t, ("batch", "length", "heads", "kv"))
                for t in (q, k, v))
-    mask = nn.make_causal_mask(jnp.ones(x.shape[:2], jnp.int32))
-    attended = nn.dot_product_attention(q, k, v, mask=mask)
+    attended = attention(q, k, v, segment_ids=segment_ids)
     attended = nn.with_logical_constraint(attended, ("batch", "length", "heads", "kv"))
     out = jnp.einsum("blhd,hde->ble", attended,
                      projection("out", (*heads, embed), ("heads", "kv", "embed")))
@@ -58,11 +60,14 @@ class DecoderBlock(nn.Module):
     h = nn.with_logical_constraint(nn.gelu(h), ("batch", "length", "mlp"))
     out = nn.Dense(embed, use_bias=False, name="wo",
                    kernel_init=_param(_init, ("mlp", "embed")))(h)
-    return nn.with_logical_constraint(x + out, ("batch", "length", "embed"))
+    return nn.with_logical_constraint(x + out, ("batch", "length", "embed")), segment_ids
 
 
 class TransformerLM(nn.Module):
   """Token ids `[batch, length]` -> next-token logits `[batch, length, vocab]`.
+
+  A packed batch also passes `segment_ids` (each token's document, 0: padding) and
+  `positions` (each token's place in its document); attention stays within a document.
 
   Attributes:
     vocab_size: number of token ids.
@@ -85,18 +90,23 @@ class TransformerLM(nn.Module):
   vocab_multiple: int = 1
 
   @nn.compact
-  def __call__(self, tokens: jax.Array) -> jax.Array:
+  def __call__(self, tokens: jax.Array, segment_ids: jax.Array | None = None,
+               positions: jax.Array | None = None) -> jax.Array:
     length = tokens.shape[1]
     if length > self.max_len:
       raise ValueError(f"sequence length {length} exceeds max_len={self.max_len}")
     rows = padded_size(self.vocab_size, self.vocab_multiple)
     x = nn.Embed(rows, self.embed_dim, name="token_embedding",
                  embedding_init=_param(_init, ("vocab", "embed")))(tokens)
-    positions = self.param("position_embedding", _param(_init, ("length", "embed")),
-                           (self.max_len, self.embed_dim))
-    x = nn.with_logical_constraint(x + positions[:length], ("batch", "length", "embed"))
+    table = self.param("position_embedding", _param(_init, ("length", "embed")),
+                       (self.max_len, self.embed_dim))
+    where = sequence_positions(*tokens.shape) if positions is None else positions
+    x = nn.with_logical_constraint(x + jnp.take(table, where, axis=0),
+                                   ("batch", "length", "embed"))
+    if segment_ids is None:
+      segment_ids = jnp.zeros(tokens.shape, jnp.int32)
     block = dict(num_heads=self.num_heads, head_dim=self.head_dim, mlp_dim=self.mlp_dim)
-    x = LayerStack(DecoderBlock, self.num_layers, block, name="blocks")(x)
+    x, _ = LayerStack(DecoderBlock, self.num_layers, block, name="blocks")((x, segment_ids))
     x = nn.LayerNorm(name="final_norm", scale_init=_param(nn.initializers.ones, ("embed",)),
                      bias_init=_param(nn.initializers.zeros, ("embed",)))(x)
     logits = nn.Dense(rows, use_bias=False, name="logits",

@@ -161,6 +161,13 @@ class Strategy(abc.ABC):
     """
     return False
 
+  def in_sequence_layout(self, apply: Callable[..., Any]) -> Callable[..., Any]:
+    """`apply(params, model_state, batch, ...) -> (outputs, model_state)` as the step calls
+    it: as it is, unless the strategy holds sequences in another order (context
+    parallelism's load-balanced layout, `strategies.context.in_layout`), which puts the
+    batch in that order before the model and its outputs back before the loss."""
+    return apply
+
   def bind_batch_axis(self, fn: Callable[[PyTree], Any], inputs: PyTree) -> Any:
     """`fn(inputs)` with `BATCH_AXIS` bound, for per-example `inputs` (leading batch axis).
 

@@ -177,8 +177,10 @@ def check_layout(abstract_state: PyTree, rules: LogicalRules, mesh_shape: Mappin
 
 
 def _parameter_rules(rules: LogicalRules) -> list:
-  """The rules that shard parameters: not the batch's, not to None."""
-  return [(n, t) for n, t in rules if n != BATCH and t is not None]
+  """The rules that shard parameters: not the batch's, not the sequence's over `context` (an
+  activation layout: context parallelism), not to None."""
+  return [(n, t) for n, t in rules if n != BATCH and t is not None
+          and not (n == "length" and t == "context")]
 
 
 def _check_names(leaves: list, rules: LogicalRules, mesh_shape: Mapping[str, int]) -> set:

@@ -7,7 +7,7 @@ from collections.abc import Callable
 import jax
 import ml_collections
 
-from strategies import pipeline
+from strategies import context, pipeline
 from strategies.base import Strategy
 from strategies.capabilities import Ensemble
 
@@ -66,4 +66,5 @@ def create_strategy(config: ml_collections.ConfigDict) -> Strategy:
   check_processes(_CLASSES[name])  # Before the strategy's own checks of device counts.
   if issubclass(_CLASSES[name], Ensemble):
     pipeline.check_unused(config)  # The one-model strategies run the stack as a scan.
+    context.check_unused(config)  # An ensemble's members hold whole sequences.
   return _FACTORIES[name](config)

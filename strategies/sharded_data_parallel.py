@@ -17,6 +17,7 @@ import jax
 import ml_collections
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
+from strategies import context as context_lib
 from strategies import layout
 from strategies import pipeline as pipelining
 from strategies.base import InitFn, PyTree, StepFn, Strategy
@@ -92,7 +93,7 @@ class ShardedDataParallel(GlobalMeshBatch, Strategy):
   def __init__(self, mesh_shape: Sequence[int], mesh_axes: Sequence[str],
                logical_axis_rules: Sequence, devices: Sequence[jax.Device] | None = None, *,
                axis_types: str = "auto", max_replicated_mb: float = 0,
-               pipeline: dict | None = None):
+               pipeline: dict | None = None, context: dict | None = None):
     devices = list(devices or jax.devices())
     shape = resolve_mesh_shape(mesh_shape, mesh_axes, len(devices))
     if axis_types not in AXIS_TYPES:
@@ -112,13 +113,18 @@ class ShardedDataParallel(GlobalMeshBatch, Strategy):
     #: The layer stack's pipeline over the `stage` axis, or None (no such axis).
     self.pipeline = pipelining.from_mesh(
         dict(self.mesh.shape), self.rules, self.batch_axes, axis_types, **(pipeline or {}))
+    #: How attention runs over the `context` axis (`strategies.context`), or None.
+    self.context = context_lib.from_mesh(
+        dict(self.mesh.shape), self.rules, self.batch_axes, axis_types,
+        pipelined=self.pipeline is not None, **(context or {}))
 
   @classmethod
   def from_config(cls, config: ml_collections.ConfigDict) -> ShardedDataParallel:
     return cls(config.strategy.mesh_shape, config.strategy.mesh_axes,
                config.strategy.logical_axis_rules, axis_types=config.strategy.axis_types,
                max_replicated_mb=config.strategy.max_replicated_mb,
-               pipeline=pipelining.config_fields(config))
+               pipeline=pipelining.config_fields(config),
+               context=context_lib.config_fields(config))
 
   @property
   def batch_multiple(self) -> int:
@@ -159,7 +165,7 @@ class ShardedDataParallel(GlobalMeshBatch, Strategy):
       return
     with jax.set_mesh(self.mesh), nn.logical_axis_rules(
         layout.with_mesh_axes(self.rules, self.mesh.axis_names)), pipelining.active(
-            self.pipeline):
+            self.pipeline), context_lib.active(self.context):
       yield
 
   def state_shardings(self, abstract_state: PyTree) -> PyTree:
@@ -226,7 +232,12 @@ class ShardedDataParallel(GlobalMeshBatch, Strategy):
     return call
 
   def _pipelined(self, fn: StepFn) -> StepFn:
+    if self.context is not None:
+      fn = context_lib.requiring_attention(self.context, fn)
     return fn if self.pipeline is None else pipelining.requiring_stack(self.pipeline, fn)
+
+  def in_sequence_layout(self, apply):
+    return context_lib.in_layout(self.context, apply)
 
   def compile_train_step(self, step_fn: StepFn, state: PyTree) -> StepFn:
     step_fn = self._pipelined(step_fn)
@@ -245,10 +256,13 @@ class ShardedDataParallel(GlobalMeshBatch, Strategy):
 
   def compile_eval_step(self, eval_fn: StepFn, state: PyTree) -> StepFn:
     state_sh = jax.tree.map(lambda x: x.sharding, state)
+    if self.context is not None:
+      eval_fn = context_lib.requiring_attention(self.context, eval_fn)
     return self._compile(eval_fn, in_shardings=(state_sh, self._batch_sharding))
 
   def describe(self) -> str:
     mesh = ", ".join(f"{a}={n}" for a, n in self.mesh.shape.items())
     return (f"{self.name}: {self.axis_types} mesh ({mesh}), batch {self.batch_spec}, "
             f"{self.num_data_replicas} data replica(s), rules {self.rules}"
-            + (f"; {self.pipeline.describe()}" if self.pipeline else ""))
+            + (f"; {self.pipeline.describe()}" if self.pipeline else "")
+            + (f"; {self.context.describe()}" if self.context else ""))

@@ -285,9 +285,11 @@ def test_under_bfloat16_the_stages_pass_bfloat16_activations():
   pipeline = trainer.strategy.pipeline
   loops = [eqn for eqn in _equations(jaxpr.jaxpr) if eqn.primitive.name == "scan"
            and eqn.params["length"] == pipeline.iterations]
-  # The schedule's loop carries the stages' activations [stages, microbatch, length, embed].
+  # The schedule's loop carries the stages' activations [stages, microbatch, length, embed]
+  # (and the segment ids that travel with them, int32).
   carried = [v.aval for loop in loops for v in loop.outvars
-             if getattr(v.aval, "shape", ())[:1] == (pipeline.stages,)]
+             if getattr(v.aval, "shape", ())[:1] == (pipeline.stages,)
+             and jnp.issubdtype(v.aval.dtype, jnp.floating)]
   assert carried and all(aval.dtype == jnp.bfloat16 for aval in carried), carried
   state = trainer.fit(token_batches(config), num_steps=STEPS, state=state).state
   assert state.params["blocks"]["wi"]["kernel"].value.dtype == jnp.float32

@@ -352,3 +352,47 @@ class StackedDecoderTrainer(Trainer):
 
   def loss(self, logits, batch):
     return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean(-1)
+
+
+# -- The same decoder, its attention through the shared function (context parallelism) ---------
+
+
+class SharedAttentionBlock(StackedBlock):
+  """`StackedBlock` with its attention through `models.attention.attention` (what a model
+  under a `context` mesh axis must call), with dropout on the attention weights too."""
+
+  def __init__(self, embed: int, heads: int, mlp: int, dropout: float, *, rngs: nnx.Rngs):
+    super().__init__(embed, heads, mlp, dropout, rngs=rngs)
+    self.rate, self.deterministic = dropout, False
+    self.attention_rngs = rngs["dropout"].fork()
+
+  def __call__(self, x):
+    y = self.norm1(x)
+    key = self.attention_rngs() if self.rate and not self.deterministic else None
+    attended = models.attention.attention(
+        self.query(y), self.key(y), self.value(y), dropout_rate=self.rate, dropout_rng=key,
+        deterministic=self.deterministic)
+    x = x + self.dropout(self.out(attended))
+    return x + self.dropout(self.down(nnx.gelu(self.up(self.norm2(x)))))
+
+
+class SharedAttentionDecoder(StackedDecoder):
+  """`StackedDecoder` of `SharedAttentionBlock`s; its learned positions are each token's
+  place in the sequence (`models.attention.sequence_positions`)."""
+
+  def __init__(self, vocab: int = 32, embed: int = 16, heads: int = 4, mlp: int = 32,
+               layers: int = 2, max_len: int = 16, dropout: float = 0.0, *, rngs: nnx.Rngs):
+    super().__init__(vocab, embed, heads, mlp, layers, max_len, dropout, rngs=rngs)
+    self.blocks = models.NnxLayerStack(
+        lambda rngs: SharedAttentionBlock(embed, heads, mlp, dropout, rngs=rngs), layers,
+        rngs=rngs)
+
+  def __call__(self, tokens):
+    where = models.attention.sequence_positions(*tokens.shape)
+    x = self.tokens(tokens) + jnp.take(self.positions[...], where, axis=0)
+    return self.head(self.norm(self.blocks(x)))
+
+
+class SharedAttentionDecoderTrainer(StackedDecoderTrainer):
+  def build_model(self):
+    return functools.partial(SharedAttentionDecoder, dropout=self.dropout)

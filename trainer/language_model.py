@@ -7,10 +7,12 @@ from collections.abc import Iterator
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 
 import models
+from trainer.data import packing
 from trainer.trainer import Batch, Trainer
 
 
@@ -70,7 +72,10 @@ class LanguageModelTrainer(Trainer):
   """Next-token cross-entropy; the model is `language_model(**config.model)`.
 
   Batches hold `inputs` and `targets`, both `[batch, length]` token ids, the
-  targets shifted one position left. A subclass may override `build_model`.
+  targets shifted one position left. A packed batch (`trainer.data.packing`) also holds
+  `segment_ids` and `positions`, which the model takes: attention stays within each
+  document, and the loss averages only the real (not padding) tokens. A subclass may
+  override `build_model`.
   """
 
   input_key = "inputs"
@@ -85,15 +90,28 @@ class LanguageModelTrainer(Trainer):
                                        self.strategy.shards_of("vocab"))
     return language_model(**fields)
 
+  def model_inputs(self, batch: Batch, *, train: bool, rngs) -> tuple[tuple, dict]:
+    """The tokens, and a packed batch's `segment_ids` and `positions`."""
+    del train, rngs
+    packed = {k: batch[k] for k in (packing.SEGMENT_IDS, packing.POSITIONS) if k in batch}
+    return (batch[self.input_key],), packed
+
   def prediction(self, outputs: jax.Array) -> jax.Array:
     """Next-token probabilities over the real vocabulary (the padded columns dropped)."""
     return jax.nn.softmax(outputs[..., :self.config.model.vocab_size], axis=-1)
 
   def loss(self, logits: jax.Array, batch: Batch) -> jax.Array:
     per_token = optax.softmax_cross_entropy_with_integer_labels(logits, batch[self.target_key])
-    return per_token.mean(axis=-1)
+    if packing.SEGMENT_IDS not in batch:
+      return per_token.mean(axis=-1)
+    real = (batch[packing.SEGMENT_IDS] > 0).astype(per_token.dtype)
+    return (per_token * real).sum(axis=-1) / jnp.maximum(real.sum(axis=-1), 1.0)
 
   def tokens_per_example(self, batch: Batch) -> int:
+    """The target tokens of one row; of a packed batch, the real (not padding) ones per row."""
+    if packing.SEGMENT_IDS in batch:
+      segments = np.asarray(batch[packing.SEGMENT_IDS])
+      return max(1, round(float((segments > 0).sum()) / len(segments)))
     return int(np.prod(np.shape(batch[self.target_key])[1:]))
 
 

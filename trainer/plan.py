@@ -59,6 +59,8 @@ class Plan:
     peak_bytes: argument + output - alias + temp.
     flops: the compiled step's FLOPs per device (`cost_analysis()`).
     collectives: op name -> count in the optimised HLO.
+    collective_bytes: op name -> the bytes its results hold per device, summed over its
+      instructions (an instruction in a loop's body counted once, as in `collectives`).
     largest: `(path, shape, PartitionSpec, bytes on one device)` of the largest parameters.
     device_memory: the memory compared against (None: not compared).
     pipeline: the pipeline's schedule and bubble, and which layers each stage runs
@@ -79,6 +81,7 @@ class Plan:
   largest: list[tuple[str, tuple[int, ...], Any, int]]
   device_memory: int | None = None
   pipeline: tuple[str, ...] = ()
+  collective_bytes: dict[str, int] = dataclasses.field(default_factory=dict)
 
   @property
   def peak_bytes(self) -> int:
@@ -101,8 +104,9 @@ class Plan:
         f"donated inputs)",
         f"  peak              {mib(self.peak_bytes)}",
         f"  FLOPs per step    {self.flops:.4g}",
-        "  collectives       " + (", ".join(f"{n} x{c}" for n, c in self.collectives.items())
-                                 or "none"),
+        "  collectives       " + (", ".join(
+            f"{n} x{c} ({mib(self.collective_bytes.get(n, 0))})"
+            for n, c in self.collectives.items()) or "none"),
         "  largest parameters:"]
     if self.pipeline:
       lines[1:1] = [f"  {self.pipeline[0]}"] + [f"    {line}" for line in self.pipeline[1:]]
@@ -134,6 +138,26 @@ def count_collectives(hlo: str) -> dict[str, int]:
   for op in COLLECTIVES:
     counts[op] = len(re.findall(rf"\s{op}(?:-start)?\(", hlo))
   return {op: n for op, n in counts.items() if n}
+
+
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
+                "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
+
+
+def count_collective_bytes(hlo: str) -> dict[str, int]:
+  """Collective op -> bytes of its results per device in an optimised HLO module's text (an
+  async pair's start counted once, by its largest buffer: the result)."""
+  totals = collections.Counter()
+  pattern = re.compile(r"=\s*(\(.*?\)|\S+)\s+(" + "|".join(COLLECTIVES) + r")(-start)?\(")
+  for line in hlo.splitlines():
+    match = pattern.search(line)
+    if not match:
+      continue
+    sizes = [math.prod(int(d) for d in dims.split(",") if d) * _DTYPE_BYTES.get(dtype, 4)
+             for dtype, dims in re.findall(r"([a-z]+[0-9]*)\[([0-9,]*)\]", match.group(1))]
+    if sizes:
+      totals[match.group(2)] += max(sizes) if match.group(3) else sum(sizes)
+  return dict(totals)
 
 
 def make_plan(trainer: Any, example_batch: dict[str, np.ndarray], *,
@@ -174,8 +198,8 @@ def make_plan(trainer: Any, example_batch: dict[str, np.ndarray], *,
       argument_bytes=int(memory.argument_size_in_bytes),
       output_bytes=int(memory.output_size_in_bytes), temp_bytes=int(memory.temp_size_in_bytes),
       alias_bytes=int(memory.alias_size_in_bytes), flops=float((cost or {}).get("flops", 0.0)),
-      collectives=count_collectives(compiled.as_text()), largest=largest[:top],
-      device_memory=device_memory, pipeline=stages)
+      collectives=count_collectives(hlo := compiled.as_text()), largest=largest[:top],
+      device_memory=device_memory, pipeline=stages, collective_bytes=count_collective_bytes(hlo))
 
 
 def device_memory_bytes(device: str | None, memory_gib: float | None) -> int | None:

@@ -34,7 +34,9 @@ def check_train_batch(batch: PyTree, step: int, *, batch_size: int, rows: slice)
   Raises:
     ValueError: naming the step, the entry, its shape and what it must hold.
   """
+  from trainer.data.packing import check_packed
   want = rows.stop - rows.start
+  check_packed(batch, where=f"the train batch for step {step}")
   for path, x in jax.tree_util.tree_leaves_with_path(batch):
     if np.ndim(x) and np.shape(x)[0] == want:
       continue

@@ -65,9 +65,10 @@ class StepFunctions:
                init_model: Callable[[Any, Any], tuple[PyTree, PyTree]], recipe: Recipe):
     self.hooks, self.strategy, self.recipe = hooks, strategy, recipe
     self._init_model = init_model
-    self.forward = recipe.forward(
+    # The strategy may hold sequences in another order (`Strategy.in_sequence_layout`).
+    self.forward = recipe.forward(strategy.in_sequence_layout(
         lambda params, model_state, batch, rngs, train: hooks.apply_model(
-            params, model_state, batch, rngs=rngs, train=train))
+            params, model_state, batch, rngs=rngs, train=train)))
     self._gradients = recipe.gradients(_value_and_grad(recipe.loss(self._loss)), strategy)
     self._update = recipe.update(_apply_update)
     self._init_fns: dict[Any, Callable[[jax.Array], Any]] = {}

@@ -1,0 +1,85 @@
+r"""What context parallelism buys: the LM's train step on one long sequence, on one device and
+split over a `context` axis of 4 and 8 devices, by all-gather and by ring attention.
+
+    python benchmarks/long_context.py [--seqs 1024,2048,4096] [--rounds 3]
+
+For each sequence length: the transformer LM of `configs/lm.py` (2 layers, width 64,
+8 heads; one sequence per step) on one device (`none`, no context axis), and under
+`configs/lm.py:context` with `context=4` and `context=8` for each method. Printed per
+run: XLA's temporaries per device of the compiled step (`memory_analysis()`: the
+activations kept for the backward pass, the attention scores among them), the bytes
+its collectives move per device (`trainer.plan.count_collective_bytes`), and the median
+step time over rounds (the order rotating), each as a ratio to `none` at that length.
+
+On a CPU the fake devices share the machine's cores, so the step time is the methods'
+total work and overhead, not what separate accelerators would take; the temporaries
+per device are what each device would need.
+"""
+
+import argparse
+import os
+import statistics
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--seqs", default="1024,2048,4096", help="sequence lengths")
+  parser.add_argument("--contexts", default="4,8", help="context axis sizes")
+  parser.add_argument("--rounds", type=int, default=3)
+  parser.add_argument("--block-seconds", type=float, default=1.0)
+  args = parser.parse_args()
+  contexts = [int(c) for c in args.contexts.split(",")]
+  os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={max(contexts)}")
+  import jax
+  from mnist_setup import compiled_run, rotating_rounds
+
+  from configs import lm
+  from strategies import ShardedDataParallel, context
+  from trainer import LanguageModelTrainer
+  from trainer.language_model import synthetic_token_batches
+  from trainer.plan import count_collective_bytes
+
+  print(f"{jax.devices()[0].device_kind} ({jax.devices()[0].platform}), "
+        f"{len(jax.devices())} devices; LM 2 layers x 64, 8 heads; one sequence per step; "
+        f"{args.rounds} rounds")
+  print(f"{'seq':>6} {'run':<21} {'temp MiB/dev':>13} {'vs none':>8} {'coll MiB/dev':>13} "
+        f"{'s/step':>8} {'vs none':>8}")
+  for seq in (int(s) for s in args.seqs.split(",")):
+    variants = {"none": ("data_parallel", 1, None)}
+    for c in contexts:
+      for method in ("all_gather", "ring"):
+        variants[f"context={c} {method}"] = ("context", c, method)
+    runs, temp, moved = {}, {}, {}
+    for name, (layout, size, method) in variants.items():
+      config = lm.get_config(layout)
+      config.update(seq_len=seq, batch_size=1, eval_batch_size=1)
+      config.model.max_len = seq
+      strategy = None
+      if method is None:
+        config.strategy.name = "single_device"
+      else:  # The first `size` devices.
+        config.strategy.mesh_shape = (1, size)
+        config.strategy.context.method = method
+        strategy = ShardedDataParallel(
+            config.strategy.mesh_shape, config.strategy.mesh_axes,
+            config.strategy.logical_axis_rules, devices=jax.devices()[:size],
+            context=context.config_fields(config))
+      trainer = LanguageModelTrainer(config, strategy=strategy)
+      batch = next(synthetic_token_batches(0, 1, seq, config.model.vocab_size))
+      runs[name], temp[name] = compiled_run(trainer, batch)
+      moved[name] = sum(count_collective_bytes(runs[name][0].as_text()).values()) / 2**20
+    times = rotating_rounds(runs, "none", rounds=args.rounds, block_seconds=args.block_seconds,
+                            min_steps=1)
+    for name in variants:
+      ratios = [t / b for t, b in zip(times[name], times["none"], strict=True)]
+      print(f"{seq:>6} {name:<21} {temp[name]:13.1f} {temp[name] / temp['none']:7.3f}x "
+            f"{moved[name]:13.2f} {statistics.median(times[name]):8.4f} "
+            f"{statistics.median(ratios):7.2f}x", flush=True)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,296 @@
+"""The attention every model here calls: plain on one device, context parallel over a mesh.
+
+    from models.attention import attention, sequence_positions
+    out = attention(q, k, v, segment_ids=segment_ids)   # q [batch, length, heads, head_dim]
+
+Without a `context` mesh axis it is plain attention. Under a strategy whose mesh
+has one (`strategies.context`), each device holds a shard of every sequence and
+the same call runs by the configured method: the keys and values gathered over
+`context` (`all_gather`), or passed round a ring of devices with the softmax
+combined by a running log-sum-exp (`ring`). Either way the result is the one
+device's, and the masks follow each token's place in the sequence, not in its
+shard:
+
+- `causal`: a token attends to itself and the tokens before it;
+- `segment_ids` (`[batch, length]`, packed documents): only to tokens of its own
+  document; 0 marks padding;
+- `window`: only to itself and the `window - 1` tokens before it (Mistral's sliding
+  window);
+- `mask`: any other boolean mask `[batch | 1, heads | 1, length, length]`; only
+  plain attention can take one (under a `context` axis it is refused).
+
+Grouped-query attention: `k` and `v` may have fewer heads than `q` (query head `h`
+reads key/value head `h // (heads / kv_heads)`, as Hugging Face's `repeat_kv`).
+
+Dropout on the attention weights draws its mask from each weight's place in the
+sequence and head (a counter-based hash of the key), not from the array's shape,
+so a context-parallel run drops the same weights as one device.
+
+A model's position embeddings (learned or rotary) must use each token's global
+position too: the positions of a packed batch (`positions`), or
+`sequence_positions(batch, length)`, which is `arange(length)` except under a
+layout that holds the sequence in another order.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend.random import threefry2x32_p
+from jax.sharding import PartitionSpec
+
+from strategies import context as context_lib
+from strategies.context import ContextError
+
+__all__ = ["attention", "sequence_positions", "ContextError"]
+
+
+def _order(length: int) -> np.ndarray:
+  plan = context_lib.current()
+  return np.arange(length) if plan is None else plan.order(length)
+
+
+def sequence_positions(batch: int, length: int) -> jax.Array:
+  """`[batch, length]` int32: the position in the sequence of each token as the model holds
+  it (the load-balanced context layout holds them out of order)."""
+  return jnp.broadcast_to(jnp.asarray(_order(length), jnp.int32), (batch, length))
+
+
+def _key_words(rng: jax.Array) -> tuple[jax.Array, jax.Array]:
+  if jnp.issubdtype(rng.dtype, jax.dtypes.prng_key):
+    rng = jax.random.key_data(rng)
+  words = jnp.asarray(rng).reshape(-1).astype(jnp.uint32)
+  return words[0], words[-1]
+
+
+class _Block:
+  """What one block of scores needs besides q, k, v (static or small)."""
+
+  def __init__(self, *, causal, window, scale, rate, seed, total_heads, length):
+    self.causal, self.window, self.scale, self.rate = causal, window, scale, rate
+    self.seed, self.total_heads, self.length = seed, total_heads, length
+
+  def allowed(self, q_index, k_index, q_seg, k_seg):
+    """`[batch, lq, lk]`: which scores count (index: the tokens' places in the sequence)."""
+    ok = q_seg[:, :, None] == k_seg[:, None, :]
+    distance = q_index[:, None] - k_index[None, :]
+    if self.causal:
+      ok = ok & (distance >= 0)[None]
+    if self.window is not None:
+      ok = ok & (distance < self.window)[None]
+    return ok
+
+  def skipped(self, q_index, k_index) -> jax.Array | bool:
+    """Whether every score of the block is masked by position alone (causal, window)."""
+    skip = False
+    if self.causal:
+      skip = jnp.min(k_index) > jnp.max(q_index)
+    if self.window is not None:
+      skip = skip | (jnp.min(q_index) - jnp.max(k_index) >= self.window)
+    return skip
+
+  def keep(self, shape, batch_index, head_index, q_index, k_index):
+    """Dropout's keep mask `[b, kv, g, lq, lk]` from each weight's (row, head, query, key)."""
+    kv, g = shape[1:3]
+    row = (batch_index[:, None, None] * self.total_heads
+           + head_index.reshape(kv, g)[None]).astype(jnp.uint32)
+    cell = (q_index[:, None] * self.length + k_index[None, :]).astype(jnp.uint32)
+    x0 = jnp.broadcast_to(row[..., None, None], shape)
+    x1 = jnp.broadcast_to(cell[None, None, None], shape)
+    bits, _ = threefry2x32_p.bind(self.seed[0], self.seed[1], x0, x1)
+    threshold = np.uint32(min(int(self.rate * 2.0**32), 2**32 - 1))
+    return bits >= threshold
+
+  def update(self, carry, q, k, v, allowed, extra_mask, drop_ids):
+    """One block folded into the running (max, sum, weighted values)."""
+    m, total, acc = carry
+    s = jnp.einsum("bqkgd,bskd->bkgqs", q, k, preferred_element_type=jnp.float32)
+    s = s.astype(jnp.float32) * self.scale
+    ok = allowed[:, None, None]
+    if extra_mask is not None:
+      ok = ok & extra_mask
+    s = jnp.where(ok, s, -jnp.inf)
+    m_new = jnp.maximum(m, s.max(axis=-1))
+    m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+    p = jnp.exp(s - m_safe[..., None])
+    correction = jnp.exp(m - m_safe)
+    total = total * correction + p.sum(axis=-1)
+    if drop_ids is not None:
+      keep = self.keep(p.shape, *drop_ids)
+      p = jnp.where(keep, p / (1.0 - self.rate), 0.0)
+    acc = acc * correction[..., None] + jnp.einsum(
+        "bkgqs,bskd->bkgqd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return m_new, total, acc
+
+
+def _start(b, kv, g, lq, d):
+  return (jnp.full((b, kv, g, lq), -jnp.inf, jnp.float32), jnp.zeros((b, kv, g, lq), jnp.float32),
+          jnp.zeros((b, kv, g, lq, d), jnp.float32))
+
+
+def _finish(carry, dtype):
+  _, total, acc = carry
+  out = jnp.where(total[..., None] > 0, acc / jnp.where(total > 0, total, 1.0)[..., None], 0.0)
+  b, kv, g, lq, d = out.shape
+  return out.transpose(0, 3, 1, 2, 4).reshape(b, lq, kv * g, d).astype(dtype)
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
+              segment_ids: jax.Array | None = None, causal: bool = True,
+              window: int | None = None, mask: jax.Array | None = None,
+              scale: float | None = None, dropout_rate: float = 0.0,
+              dropout_rng: jax.Array | None = None,
+              deterministic: bool = True) -> jax.Array:
+  """Softmax attention of `q [batch, length, heads, head_dim]` over `k`, `v [batch, length,
+  kv_heads, head_dim]`, `[batch, length, heads, head_dim]` out (see the module docstring).
+
+  Args:
+    segment_ids: `[batch, length]` ints, the document of each token of a packed row (0:
+      padding); None: one document per row.
+    causal: mask the tokens after each query.
+    window: a token sees itself and the `window - 1` tokens before it; None: all.
+    mask: a boolean mask `[batch | 1, heads | 1, length, length]` (True: attend), plain
+      attention only.
+    scale: the scores' factor; None: `1 / sqrt(head_dim)`.
+    dropout_rate, dropout_rng, deterministic: dropout on the attention weights, active
+      when `deterministic` is False and the rate above 0.
+
+  Raises:
+    ContextError: under a `context` axis, a `mask` (the methods build theirs from the
+      tokens' places) or a length that does not split into the layout's chunks.
+  """
+  b, length, heads, d = q.shape
+  kv_heads = k.shape[2]
+  if heads % kv_heads:
+    raise ValueError(f"attention: {heads} query heads are not a multiple of {kv_heads} "
+                     f"key/value heads.")
+  plan = context_lib.current()
+  context_lib.record_call(plan.method if plan else "plain")
+  dropout = dropout_rate > 0.0 and not deterministic
+  if dropout and dropout_rng is None:
+    raise ValueError("attention: dropout_rate > 0 outside deterministic mode needs a "
+                     "dropout_rng.")
+  seed = _key_words(dropout_rng) if dropout else (jnp.uint32(0), jnp.uint32(0))
+  block = _Block(causal=causal, window=window, scale=scale or 1.0 / math.sqrt(d),
+                 rate=float(dropout_rate), seed=seed, total_heads=heads, length=length)
+  if segment_ids is None:
+    segment_ids = jnp.zeros((b, length), jnp.int32)
+  if plan is None:
+    return _plain(block, q, k, v, segment_ids, mask, dropout)
+  if mask is not None:
+    raise ContextError(
+        f"attention(mask=...) under the {plan.axis!r} mesh axis ({plan.axis}={plan.size}, "
+        f"method {plan.method!r}): the context methods build their masks from each token's "
+        f"place in the sequence (causal, segment_ids, window) and cannot honour a mask array "
+        f"of the whole sequence. Express it with those arguments, or train without a "
+        f"{plan.axis!r} axis.")
+  plan.check_length(length)
+  return _context_parallel(plan, block, q, k, v, segment_ids, dropout)
+
+
+def _plain(block, q, k, v, segment_ids, mask, dropout):
+  b, length, heads, d = q.shape
+  kv = k.shape[2]
+  g = heads // kv
+  index = jnp.asarray(_order(length))
+  extra = None
+  if mask is not None:
+    mask = jnp.broadcast_to(mask, (mask.shape[0], mask.shape[1], length, length))
+    extra = jnp.broadcast_to(mask, (b, heads, length, length)).reshape(b, kv, g, length, length)
+  drop = (jnp.arange(b), jnp.arange(heads), index, index) if dropout else None
+  allowed = block.allowed(index, index, segment_ids, segment_ids)
+  carry = block.update(_start(b, kv, g, length, d), q.reshape(b, length, kv, g, d), k, v,
+                       allowed, extra, drop)
+  return _finish(carry, q.dtype)
+
+
+def _linear_index(axes: tuple[str, ...]) -> jax.Array:
+  """This device's index along `axes` taken together (0 without axes)."""
+  index = jnp.int32(0)
+  for a in axes:
+    index = index * jax.lax.axis_size(a) + jax.lax.axis_index(a)
+  return index
+
+
+def _context_parallel(plan, block, q, k, v, segment_ids, dropout):
+  b, length, heads, d = q.shape
+  kv_heads = k.shape[2]
+  group = heads // kv_heads
+  C, axis = plan.size, plan.axis
+  batch_entry = plan.batch_axes or None
+  heads_entry = plan.heads_axes or None
+  if kv_heads == heads:
+    kv_entry = heads_entry
+  elif plan.kv_heads_axes == plan.heads_axes:
+    kv_entry = heads_entry
+  elif not plan.kv_heads_axes:
+    kv_entry = None  # Each device picks its query heads' key/value heads.
+  else:
+    raise ContextError(
+        f"attention: the rules lay 'heads' over {plan.heads_axes} and 'kv_heads' over "
+        f"{plan.kv_heads_axes}; under a context axis key/value heads go with the query heads "
+        f"or are replicated (('kv_heads', None)).")
+  order = np.asarray(plan.order(length), np.int32)
+  chunk = length // C
+
+  def body(q, k, v, seg):
+    i = jax.lax.axis_index(axis)
+    lb, lq, hl = q.shape[0], q.shape[1], q.shape[2]
+    head0 = _linear_index(plan.heads_axes) * hl if heads_entry else jnp.int32(0)
+    if kv_entry is None and heads_entry:  # Replicated key/value heads: this device's.
+      ids = (head0 + jnp.arange(hl)) // group
+      k, v = jnp.take(k, ids, axis=2), jnp.take(v, ids, axis=2)
+    kl = k.shape[2]
+    g = hl // kl
+    qg = q.reshape(lb, lq, kl, g, d)
+    q_index = jax.lax.dynamic_slice_in_dim(jnp.asarray(order), i * chunk, chunk)
+    batch0 = _linear_index(plan.batch_axes) * lb if batch_entry else jnp.int32(0)
+    drop_base = (batch0 + jnp.arange(lb), head0 + jnp.arange(hl)) if dropout else None
+    all_seg = jax.lax.all_gather(seg, axis, axis=1, tiled=True)
+    carry = _start(lb, kl, g, lq, d)
+    if plan.method == "all_gather":
+      k_all = jax.lax.all_gather(k, axis, axis=1, tiled=True)
+      v_all = jax.lax.all_gather(v, axis, axis=1, tiled=True)
+      k_index = jnp.asarray(order)
+      drop = (*drop_base, q_index, k_index) if dropout else None
+      allowed = block.allowed(q_index, k_index, seg, all_seg)
+      carry = block.update(carry, qg, k_all, v_all, allowed, None, drop)
+      return _finish(carry, q.dtype)
+
+    update = jax.checkpoint(block.update)  # Each block's scores recomputed for the backward.
+    # In the load-balanced order a device's queries, and each block of keys, are an early and
+    # a late chunk: of a block's four chunk pairs the causal mask covers one or two whole
+    # (the early queries never see a late chunk), so each pair is skipped on its own.
+    pieces = 2 if plan.load_balance else 1
+    sub = lq // pieces
+    part = lambda x, p, axis=1: jax.lax.slice_in_dim(x, p * sub, (p + 1) * sub, axis=axis)  # noqa: E731
+    carries = [_start(lb, kl, g, sub, d) for _ in range(pieces)]
+    perm = [(j, (j + 1) % C) for j in range(C)]
+    for s in range(C):  # C is small and static: the loop is unrolled, as XLA overlaps it.
+      origin = (i - s) % C  # Whose block this device holds at step s.
+      k_index = jax.lax.dynamic_slice_in_dim(jnp.asarray(order), origin * chunk, chunk)
+      k_seg = jax.lax.dynamic_slice_in_dim(all_seg, origin * chunk, chunk, axis=1)
+      for a in range(pieces):
+        qa, qa_index = part(qg, a), part(q_index, a, 0)
+        for b in range(pieces):
+          if block.causal and (a, b) == (0, 1):  # Early queries, late keys: always masked.
+            continue
+          kb_index = part(k_index, b, 0)
+          drop = (*drop_base, qa_index, kb_index) if dropout else None
+          allowed = block.allowed(qa_index, kb_index, part(seg, a), part(k_seg, b))
+          carries[a] = jax.lax.cond(
+              block.skipped(qa_index, kb_index), lambda c, *_: c,
+              lambda c, k, v, m, qa=qa, drop=drop: update(c, qa, k, v, m, None, drop),
+              carries[a], part(k, b), part(v, b), allowed)
+      if s < C - 1:  # The next device's block.
+        k, v = jax.lax.ppermute(k, axis, perm), jax.lax.ppermute(v, axis, perm)
+    return jnp.concatenate([_finish(c, q.dtype) for c in carries], axis=1)
+
+  spec_q = PartitionSpec(batch_entry, axis, heads_entry, None)
+  spec_kv = PartitionSpec(batch_entry, axis, kv_entry, None)
+  spec_seg = PartitionSpec(batch_entry, axis)
+  return jax.shard_map(body, in_specs=(spec_q, spec_kv, spec_kv, spec_seg), out_specs=spec_q,
+                       check_vma=False)(q, k, v, segment_ids)
