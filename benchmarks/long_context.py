@@ -29,6 +29,7 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--seqs", default="1024,2048,4096", help="sequence lengths")
   parser.add_argument("--contexts", default="4,8", help="context axis sizes")
+  parser.add_argument("--methods", default="all_gather,ring", help="attention methods")
   parser.add_argument("--rounds", type=int, default=3)
   parser.add_argument("--block-seconds", type=float, default=1.0)
   args = parser.parse_args()
@@ -51,7 +52,7 @@ def main():
   for seq in (int(s) for s in args.seqs.split(",")):
     variants = {"none": ("data_parallel", 1, None)}
     for c in contexts:
-      for method in ("all_gather", "ring"):
+      for method in args.methods.split(","):
         variants[f"context={c} {method}"] = ("context", c, method)
     runs, temp, moved = {}, {}, {}
     for name, (layout, size, method) in variants.items():

@@ -267,12 +267,14 @@ def _context_parallel(plan, block, q, k, v, segment_ids, dropout):
     pieces = 2 if plan.load_balance else 1
     sub = lq // pieces
     part = lambda x, p, axis=1: jax.lax.slice_in_dim(x, p * sub, (p + 1) * sub, axis=axis)  # noqa: E731
-    carries = [_start(lb, kl, g, sub, d) for _ in range(pieces)]
     perm = [(j, (j + 1) % C) for j in range(C)]
-    for s in range(C):  # C is small and static: the loop is unrolled, as XLA overlaps it.
-      origin = (i - s) % C  # Whose block this device holds at step s.
+
+    def visit(carries, k, v, s):
+      """This device's queries against the block it holds at step `s` (device i - s's)."""
+      origin = (i - s) % C
       k_index = jax.lax.dynamic_slice_in_dim(jnp.asarray(order), origin * chunk, chunk)
       k_seg = jax.lax.dynamic_slice_in_dim(all_seg, origin * chunk, chunk, axis=1)
+      carries = list(carries)
       for a in range(pieces):
         qa, qa_index = part(qg, a), part(q_index, a, 0)
         for b in range(pieces):
@@ -285,8 +287,16 @@ def _context_parallel(plan, block, q, k, v, segment_ids, dropout):
               block.skipped(qa_index, kb_index), lambda c, *_: c,
               lambda c, k, v, m, qa=qa, drop=drop: update(c, qa, k, v, m, None, drop),
               carries[a], part(k, b), part(v, b), allowed)
-      if s < C - 1:  # The next device's block.
-        k, v = jax.lax.ppermute(k, axis, perm), jax.lax.ppermute(v, axis, perm)
+      return carries
+
+    def step(state, s):  # Attend to the block held, then pass it to the next device.
+      carries, k, v = state
+      carries = visit(carries, k, v, s)
+      return (carries, jax.lax.ppermute(k, axis, perm), jax.lax.ppermute(v, axis, perm)), None
+
+    carries = [_start(lb, kl, g, sub, d) for _ in range(pieces)]
+    (carries, k, v), _ = jax.lax.scan(step, (carries, k, v), jnp.arange(C - 1))
+    carries = visit(carries, k, v, C - 1)
     return jnp.concatenate([_finish(c, q.dtype) for c in carries], axis=1)
 
   spec_q = PartitionSpec(batch_entry, axis, heads_entry, None)

@@ -78,8 +78,8 @@ FEW_STEPS = {
     "benchmarks/hf_load.py": ["--layers", "1", "--embed", "64", "--vocab", "256"],
     # The import row alone: two interpreters per column (an untimed one first).
     "benchmarks/first_step.py": ["--programs", "imports"],
-    "benchmarks/long_context.py": ["--seqs", "64", "--contexts", "4", "--rounds", "1",
-                                   "--block-seconds", "0"],
+    "benchmarks/long_context.py": ["--seqs", "64", "--contexts", "2", "--methods", "ring",
+                                   "--rounds", "1", "--block-seconds", "0"],
 }
 
 #: Documented paths that another documented command makes: before a command that reads one
@@ -112,7 +112,7 @@ EXPECTED_OUTPUT = {
     "trainer.export": r"^wrote \d+ tensors to \S+model\.safetensors",
     "benchmarks/hf_load.py": r"^fsdp \(8 devices\)\s+\d+\.\d\s+\d+\.\d{3}\s+\d+\.\d{2}",
     "benchmarks/first_step.py": r"^imports\s+\d+\.\d\s+\d+\.\d\s+\d+\.\d{2}$",
-    "benchmarks/long_context.py": r"^\s+64 context=4 ring\s+\d+\.\d\s+\d\.\d{3}x\s+\d+\.\d{2}",
+    "benchmarks/long_context.py": r"^\s+64 context=2 ring\s+\d+\.\d\s+\d\.\d{3}x\s+\d+\.\d{2}",
 }
 
 
