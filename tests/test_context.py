@@ -299,8 +299,8 @@ def test_the_dry_run_shows_temporaries_per_device_falling_with_the_context_size(
   assert plans[4].temp_bytes < plans[1].temp_bytes / 2.5, (plans[1].temp_bytes,
                                                           plans[4].temp_bytes)
   moved = plans[4].collective_bytes
-  if method == "ring":  # Keys and values, 3 blocks on, forward and backward.
-    assert plans[4].collectives["collective-permute"] >= 2 * 3 * 2
+  if method == "ring":  # Keys and values passed on, and their gradients back.
+    assert plans[4].collectives["collective-permute"] >= 4
     assert moved["collective-permute"] > 0
   else:
     assert moved["all-gather"] > 0
