@@ -81,6 +81,11 @@ class ShardedDataParallel(GlobalMeshBatch, Strategy):
   its devices), with `pipeline` (`config.strategy.pipeline`) choosing the
   microbatches, repeats and remat.
 
+  A mesh axis named `context` (with the rule `("length", "context")`) splits every
+  sequence over it (`strategies.context`): the model's attention
+  (`models.attention.attention`) runs by `config.strategy.context.method`, and in the
+  load-balanced order the batch is reordered before the model (`in_sequence_layout`).
+
   On a multi-process run the mesh holds every process's devices (in process
   order, so each process feeds a consecutive block of the batch rows).
   """
