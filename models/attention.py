@@ -222,9 +222,7 @@ def _context_parallel(plan, block, q, k, v, segment_ids, dropout):
   C, axis = plan.size, plan.axis
   batch_entry = plan.batch_axes or None
   heads_entry = plan.heads_axes or None
-  if kv_heads == heads:
-    kv_entry = heads_entry
-  elif plan.kv_heads_axes == plan.heads_axes:
+  if kv_heads == heads or plan.kv_heads_axes == plan.heads_axes:
     kv_entry = heads_entry
   elif not plan.kv_heads_axes:
     kv_entry = None  # Each device picks its query heads' key/value heads.

@@ -88,7 +88,7 @@ class ContextPlan:
       what = (f"2 x context = {self.chunks} equal chunks (the load-balanced causal order: "
               f"each device holds an early and a late chunk)" if self.load_balance else
               f"context = {self.chunks} equal blocks")
-      fits = [n for n in (self.chunks * k for k in range(1, 5))]
+      fits = [self.chunks * k for k in range(1, 5)]
       raise ContextError(
           f"the sequence length {length} (config.seq_len) does not split into {what} over "
           f"the {self.axis!r} mesh axis ({self.axis}={self.size}, "
