@@ -114,6 +114,12 @@ def get_config() -> ml_collections.ConfigDict:
   config.lora.rank = 0
   config.lora.alpha = 16.0
   config.lora.targets = ()
+  # A mixture of experts' router losses (models/moe.py; a model whose output is
+  # `MoeOutput`): weights of the load-balancing loss (Switch/Mixtral form, `top_k` when
+  # balanced) and of the router z-loss, both added to every example's loss and logged.
+  config.moe = ml_collections.ConfigDict()
+  config.moe.load_balance_weight = 0.01
+  config.moe.router_z_weight = 0.001
   config.schedule = ml_collections.ConfigDict()
   config.schedule.name = "constant"  # constant | cosine | linear (decay to the last step).
   config.schedule.warmup_steps = 0  # Linear warmup from 0 to learning_rate.

@@ -32,6 +32,17 @@ gathers keys and values over it, or passes them round a ring
 - `data_context`: 2 data x 4 context.
 - `context_tensor`: 2 context x 4 model, tensor parallel over heads.
 - `context_fsdp`: 2 data x 4 context, weights sharded over `data` (`embed -> data`).
+
+Expert layouts (`strategies/expert.py`), for a mixture of experts
+(`--config.model.num_experts=8`, `models/moe.py`): an `expert` mesh axis and the rule
+`expert -> expert` split the experts over it, the batch split over it too; tokens reach
+their experts' devices by all-to-all.
+
+- `expert`: the whole mesh on `expert` (8 experts: one per device).
+- `data_expert`: 2 data x 4 expert.
+- `expert_tensor`: 2 expert x 4 model, each expert's MLP split over `model`.
+- `expert_fsdp`: `data_expert` with `embed -> data` (each expert's weights sharded over
+  `data`).
 """
 
 import ml_collections
@@ -40,22 +51,24 @@ from configs import base
 
 #: The logical names the LMs' weights carry (`layer` from the layer stack; `kv_heads`:
 #: the Llama family's key/value heads, fewer than its query heads).
-NAMES = ("vocab", "embed", "heads", "kv", "mlp", "length", "layer", "kv_heads")
+NAMES = ("vocab", "embed", "heads", "kv", "mlp", "length", "layer", "kv_heads", "expert")
 
 
-def rules(**mapped: str) -> tuple:
-  """A rule table with a rule for every logical name: the batch over `data`, the names
+def rules(batch="data", **mapped: str) -> tuple:
+  """A rule table with a rule for every logical name: the batch over `batch`, the names
   in `mapped` on their mesh axis, the others replicated (`None`) on purpose."""
-  return (("batch", "data"),) + tuple((name, mapped.get(name)) for name in NAMES)
+  return (("batch", batch),) + tuple((name, mapped.get(name)) for name in NAMES)
 
 
 #: The fields only some families have, None (the family's default) unless set by flag:
 #: llama's key/value heads, RMSNorm epsilon, rope base and tied head; gpt2's LayerNorm
 #: epsilon and dropout. A family refuses a field it does not have that is set.
 FAMILY_FIELDS = dict(num_kv_heads=None, rms_norm_eps=None, rope_theta=None,
-                     tie_word_embeddings=None, layer_norm_epsilon=None, dropout_rate=None)
+                     tie_word_embeddings=None, layer_norm_epsilon=None, dropout_rate=None,
+                     num_experts=None, num_experts_per_tok=None, capacity_factor=None)
 
 _TENSOR = dict(heads="model", mlp="model", vocab="model")
+_BY_EXPERT = ("data", "expert")  # The batch over both: each expert device routes its rows.
 LAYOUTS = {
     #           mesh_shape, mesh_axes, rules
     "data_parallel": ((-1,), ("data",), (("batch", "data"),)),
@@ -74,6 +87,12 @@ LAYOUTS = {
     "context_tensor": ((1, 2, -1), ("data", "context", "model"),
                        rules(length="context", **_TENSOR)),
     "context_fsdp": ((2, -1), ("data", "context"), rules(length="context", embed="data")),
+    "expert": ((-1,), ("expert",), rules("expert", expert="expert")),
+    "data_expert": ((2, -1), ("data", "expert"), rules(_BY_EXPERT, expert="expert")),
+    "expert_tensor": ((2, -1), ("expert", "model"),
+                      rules("expert", expert="expert", **_TENSOR)),
+    "expert_fsdp": ((2, -1), ("data", "expert"),
+                    rules(_BY_EXPERT, expert="expert", embed="data")),
 }
 #: The context layouts' `config.strategy.context` fields.
 CONTEXTS = {"context_ring": dict(method="ring")}

@@ -25,6 +25,7 @@ from flax import nnx
 
 from models.attention import attention, sequence_positions
 from models.layer_stack import NnxLayerStack
+from models.moe import MoeFeedForward, MoeOutput, RouterStats
 from models.vocab import mask_padding, padded_size
 
 _init = nnx.initializers.normal(stddev=0.02)
@@ -78,7 +79,8 @@ def rotary(x: jax.Array, theta: float, scaling: dict | None = None,
 
 class LlamaBlock(nnx.Module):
   """`(x, segment_ids, positions) -> the same`: RMSNorm, grouped-query attention with rotary
-  embeddings, RMSNorm, SwiGLU.
+  embeddings, RMSNorm, SwiGLU; with `moe` (`models.moe.MoeFeedForward`'s fields) the SwiGLU
+  is a mixture of experts and the carry also holds the router's statistics.
 
   The family's variants: `qkv_bias` (Qwen2's q/k/v biases), `qk_norm` (Qwen3's RMSNorm of
   each query and key head before the rope), `sliding_window` (Mistral's: a token attends to
@@ -88,7 +90,8 @@ class LlamaBlock(nnx.Module):
   def __init__(self, embed: int, num_heads: int, num_kv_heads: int, head_dim: int,
                mlp_dim: int, *, rms_norm_eps: float, rope_theta: float, rngs: nnx.Rngs,
                rope_scaling: dict | None = None, qkv_bias: bool = False,
-               qk_norm: bool = False, sliding_window: int | None = None):
+               qk_norm: bool = False, sliding_window: int | None = None,
+               moe: dict | None = None):
     self.num_heads, self.num_kv_heads, self.rope_theta = num_heads, num_kv_heads, rope_theta
     # Static (hashable) items: no arrays, nothing for the state.
     self.rope_scaling = tuple(sorted(dict(rope_scaling).items())) if rope_scaling else None
@@ -114,6 +117,9 @@ class LlamaBlock(nnx.Module):
                              scale_init=_with(("kv",), nnx.initializers.ones)))
     self.self_attn = nnx.Dict(**attention)
     self.post_attention_layernorm = _rms_norm(embed, rms_norm_eps, rngs)
+    if moe:  # Mixtral / Qwen3-MoE: the MLP is a mixture of experts (models.moe).
+      self.mlp = MoeFeedForward(embed, rngs=rngs, **moe)
+      return
     self.mlp = nnx.Dict(
         gate_proj=nnx.Linear(embed, mlp_dim, use_bias=False,
                              kernel_init=_with(("embed", "mlp")), rngs=rngs),
@@ -122,8 +128,8 @@ class LlamaBlock(nnx.Module):
         down_proj=nnx.Linear(mlp_dim, embed, use_bias=False,
                              kernel_init=_with(("mlp", "embed")), rngs=rngs))
 
-  def __call__(self, carry: tuple[jax.Array, jax.Array, jax.Array]) -> tuple:
-    x, segment_ids, positions = carry
+  def __call__(self, carry: tuple) -> tuple:
+    x, segment_ids, positions, *stats = carry
     attn, mlp = self.self_attn, self.mlp
     y = self.input_layernorm(x)
     q, k = attn["q_proj"](y), attn["k_proj"](y)
@@ -139,6 +145,10 @@ class LlamaBlock(nnx.Module):
     attended = nn.with_logical_constraint(attended, ("batch", "length", "heads", "kv"))
     x = nn.with_logical_constraint(x + attn["o_proj"](attended), ("batch", "length", "embed"))
     y = self.post_attention_layernorm(x)
+    if isinstance(mlp, MoeFeedForward):
+      out, layer_stats = mlp(y)
+      x = nn.with_logical_constraint(x + out, ("batch", "length", "embed"))
+      return x, segment_ids, positions, stats[0] + layer_stats
     h = nnx.silu(mlp["gate_proj"](y)) * mlp["up_proj"](y)
     h = nn.with_logical_constraint(h, ("batch", "length", "mlp"))
     x = nn.with_logical_constraint(x + mlp["down_proj"](h), ("batch", "length", "embed"))
@@ -155,9 +165,12 @@ class LlamaLM(nnx.Module):
   `mlp_dim` (`intermediate_size`), `max_len` (`max_position_embeddings`),
   `rms_norm_eps`, `rope_theta`, `tie_word_embeddings`, and the variants of the family
   (`LlamaBlock`): `rope_scaling` (Llama 3.1's), `qkv_bias` (Qwen2), `qk_norm` (Qwen3),
-  `sliding_window` (Mistral); `vocab_multiple`: the embedding's
-  and head's rows are `vocab_size` rounded up to a multiple of it (`models.vocab`), the
-  padded logits masked out of the softmax.
+  `sliding_window` (Mistral); a mixture of experts (Mixtral, Qwen3-MoE) with `num_experts`
+  > 0: `num_experts_per_tok` (top-k), `moe_mlp_dim` (each expert's width; None: `mlp_dim`),
+  `norm_topk_prob` (renormalise the chosen gates) and `capacity_factor` (None: dropless;
+  `models.moe`), the output then `MoeOutput(logits, router statistics)`; `vocab_multiple`:
+  the embedding's and head's rows are `vocab_size` rounded up to a multiple of it
+  (`models.vocab`), the padded logits masked out of the softmax.
   """
 
   def __init__(self, vocab_size: int, num_layers: int = 2, embed_dim: int = 64,
@@ -166,13 +179,19 @@ class LlamaLM(nnx.Module):
                rope_theta: float = 10000.0, tie_word_embeddings: bool = False,
                vocab_multiple: int = 1, rope_scaling: dict | None = None,
                qkv_bias: bool = False, qk_norm: bool = False,
-               sliding_window: int | None = None, *, rngs: nnx.Rngs):
+               sliding_window: int | None = None, num_experts: int = 0,
+               num_experts_per_tok: int = 2, moe_mlp_dim: int | None = None,
+               norm_topk_prob: bool = True, capacity_factor: float | None = None, *,
+               rngs: nnx.Rngs):
     if num_heads % num_kv_heads:
       raise ValueError(f"num_heads={num_heads} must be a multiple of "
                        f"num_kv_heads={num_kv_heads} (grouped-query attention).")
     head_dim = head_dim or embed_dim // num_heads  # HF's default when config.json has none.
     self.max_len, self.tie_word_embeddings = max_len, tie_word_embeddings
-    self.vocab_size = vocab_size
+    self.vocab_size, self.num_experts = vocab_size, num_experts
+    moe = dict(mlp_dim=moe_mlp_dim or mlp_dim, num_experts=num_experts,
+               top_k=num_experts_per_tok, normalize=norm_topk_prob,
+               capacity_factor=capacity_factor) if num_experts else None
     rows = padded_size(vocab_size, vocab_multiple)
     self.embed_tokens = nnx.Embed(rows, embed_dim,
                                   embedding_init=_with(("vocab", "embed")), rngs=rngs)
@@ -180,7 +199,7 @@ class LlamaLM(nnx.Module):
         lambda rngs: LlamaBlock(embed_dim, num_heads, num_kv_heads, head_dim, mlp_dim,
                                 rms_norm_eps=rms_norm_eps, rope_theta=rope_theta, rngs=rngs,
                                 rope_scaling=rope_scaling, qkv_bias=qkv_bias, qk_norm=qk_norm,
-                                sliding_window=sliding_window),
+                                sliding_window=sliding_window, moe=moe),
         num_layers, rngs=rngs)
     self.norm = _rms_norm(embed_dim, rms_norm_eps, rngs)
     self.lm_head = None if tie_word_embeddings else nnx.Linear(
@@ -188,9 +207,10 @@ class LlamaLM(nnx.Module):
         rngs=rngs)
 
   def __call__(self, tokens: jax.Array, segment_ids: jax.Array | None = None,
-               positions: jax.Array | None = None) -> jax.Array:
-    """Logits of `tokens`; a packed batch passes `segment_ids` (each token's document, 0:
-    padding) and `positions` (each token's place in its document)."""
+               positions: jax.Array | None = None) -> jax.Array | MoeOutput:
+    """Logits of `tokens` (with the router's statistics, `MoeOutput`, for a mixture of
+    experts); a packed batch passes `segment_ids` (each token's document, 0: padding) and
+    `positions` (each token's place in its document)."""
     if tokens.shape[1] > self.max_len:
       raise ValueError(f"sequence length {tokens.shape[1]} exceeds max_len={self.max_len}")
     if positions is None:
@@ -198,8 +218,12 @@ class LlamaLM(nnx.Module):
     if segment_ids is None:
       segment_ids = jnp.zeros(tokens.shape, jnp.int32)
     x = nn.with_logical_constraint(self.embed_tokens(tokens), ("batch", "length", "embed"))
-    x, _, _ = self.blocks((x, segment_ids, positions))
+    carry = (x, segment_ids, positions)
+    if self.num_experts:
+      carry += (RouterStats.zeros(tokens.shape[0], self.num_experts),)
+    x, *_, stats = self.blocks(carry)
     x = self.norm(x)
     logits = (self.embed_tokens.attend(x) if self.lm_head is None else self.lm_head(x))
     logits = mask_padding(logits, self.vocab_size)
-    return nn.with_logical_constraint(logits, ("batch", "length", "vocab"))
+    logits = nn.with_logical_constraint(logits, ("batch", "length", "vocab"))
+    return MoeOutput(logits, stats.total()) if self.num_experts else logits

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 
 from models.attention import attention, sequence_positions
 from models.layer_stack import LayerStack
+from models.moe import MoeMlp, MoeOutput, RouterStats
 from models.vocab import mask_padding, padded_size
 
 _init = nn.initializers.normal(stddev=0.02)
@@ -25,15 +26,20 @@ def _param(init, names: tuple[str, ...]):
 
 class DecoderBlock(nn.Module):
   """Pre-norm causal self-attention and MLP, `(x, segment_ids) -> (x, segment_ids)`: one
-  layer of a `LayerStack` (the segment ids of a packed batch travel with the activations)."""
+  layer of a `LayerStack` (the segment ids of a packed batch travel with the activations).
+  With `num_experts` the MLP is a mixture of experts (`models.moe.MoeMlp`, SwiGLU experts)
+  and the carry also holds the router's statistics."""
 
   num_heads: int
   head_dim: int
   mlp_dim: int
+  num_experts: int = 0
+  num_experts_per_tok: int = 2
+  capacity_factor: float | None = None
 
   @nn.compact
-  def __call__(self, carry: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
-    x, segment_ids = carry
+  def __call__(self, carry: tuple) -> tuple:
+    x, segment_ids, *stats = carry
     embed = x.shape[-1]
     norm = lambda name: nn.LayerNorm(  # noqa: E731 -- two identical norms.
         name=name, scale_init=_param(nn.initializers.ones, ("embed",)),
@@ -55,6 +61,11 @@ class DecoderBlock(nn.Module):
     x = nn.with_logical_constraint(x + out, ("batch", "length", "embed"))
 
     y = norm("mlp_norm")(x)
+    if self.num_experts:
+      out, layer_stats = MoeMlp(self.mlp_dim, self.num_experts, self.num_experts_per_tok,
+                                capacity_factor=self.capacity_factor, name="moe")(y)
+      x = nn.with_logical_constraint(x + out, ("batch", "length", "embed"))
+      return x, segment_ids, stats[0] + layer_stats
     h = nn.Dense(self.mlp_dim, use_bias=False, name="wi",
                  kernel_init=_param(_init, ("embed", "mlp")))(y)
     h = nn.with_logical_constraint(nn.gelu(h), ("batch", "length", "mlp"))
@@ -78,6 +89,11 @@ class TransformerLM(nn.Module):
     vocab_multiple: the embedding and head rows are `vocab_size` rounded up to a multiple
       of this (`models.vocab`: what a layout that splits `vocab` needs); the padded
       logits are masked out of the softmax.
+    num_experts: 0 (a dense MLP), or the experts of a mixture in every block
+      (`models.moe`; each of width `mlp_dim`), the output then `MoeOutput`.
+    num_experts_per_tok: the experts each token is routed to (top-k).
+    capacity_factor: None (dropless), or each expert's capacity per sequence as a
+      multiple of an even share (`models.moe.capacity`).
   """
 
   vocab_size: int
@@ -88,10 +104,13 @@ class TransformerLM(nn.Module):
   mlp_dim: int = 256
   max_len: int = 128
   vocab_multiple: int = 1
+  num_experts: int = 0
+  num_experts_per_tok: int = 2
+  capacity_factor: float | None = None
 
   @nn.compact
   def __call__(self, tokens: jax.Array, segment_ids: jax.Array | None = None,
-               positions: jax.Array | None = None) -> jax.Array:
+               positions: jax.Array | None = None) -> jax.Array | MoeOutput:
     length = tokens.shape[1]
     if length > self.max_len:
       raise ValueError(f"sequence length {length} exceeds max_len={self.max_len}")
@@ -105,11 +124,17 @@ class TransformerLM(nn.Module):
                                    ("batch", "length", "embed"))
     if segment_ids is None:
       segment_ids = jnp.zeros(tokens.shape, jnp.int32)
-    block = dict(num_heads=self.num_heads, head_dim=self.head_dim, mlp_dim=self.mlp_dim)
-    x, _ = LayerStack(DecoderBlock, self.num_layers, block, name="blocks")((x, segment_ids))
+    block = dict(num_heads=self.num_heads, head_dim=self.head_dim, mlp_dim=self.mlp_dim,
+                 num_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok,
+                 capacity_factor=self.capacity_factor)
+    carry = (x, segment_ids)
+    if self.num_experts:
+      carry += (RouterStats.zeros(tokens.shape[0], self.num_experts),)
+    x, *_, stats = LayerStack(DecoderBlock, self.num_layers, block, name="blocks")(carry)
     x = nn.LayerNorm(name="final_norm", scale_init=_param(nn.initializers.ones, ("embed",)),
                      bias_init=_param(nn.initializers.zeros, ("embed",)))(x)
     logits = nn.Dense(rows, use_bias=False, name="logits",
                       kernel_init=_param(_init, ("embed", "vocab")))(x)
     logits = mask_padding(logits, self.vocab_size)
-    return nn.with_logical_constraint(logits, ("batch", "length", "vocab"))
+    logits = nn.with_logical_constraint(logits, ("batch", "length", "vocab"))
+    return MoeOutput(logits, stats.total()) if self.num_experts else logits

@@ -18,6 +18,7 @@ import ml_collections
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from strategies import context as context_lib
+from strategies import expert as expert_lib
 from strategies import layout
 from strategies import pipeline as pipelining
 from strategies.base import InitFn, PyTree, StepFn, Strategy
@@ -86,6 +87,10 @@ class ShardedDataParallel(GlobalMeshBatch, Strategy):
   (`models.attention.attention`) runs by `config.strategy.context.method`, and in the
   load-balanced order the batch is reordered before the model (`in_sequence_layout`).
 
+  A mesh axis named `expert` (with the rules `("expert", "expert")` and the batch over it
+  too) splits a mixture of experts' experts over it (`strategies.expert`): each token's
+  chosen experts' inputs travel to their devices and back by all-to-all.
+
   On a multi-process run the mesh holds every process's devices (in process
   order, so each process feeds a consecutive block of the batch rows).
   """
@@ -122,6 +127,10 @@ class ShardedDataParallel(GlobalMeshBatch, Strategy):
     self.context = context_lib.from_mesh(
         dict(self.mesh.shape), self.rules, self.batch_axes, axis_types,
         pipelined=self.pipeline is not None, **(context or {}))
+    #: How the MoE feed-forward runs (`strategies.expert`): per device, with an `expert`
+    #: axis exchanging tokens by all-to-all; None where the partitioner lays it out.
+    self.expert = expert_lib.from_mesh(dict(self.mesh.shape), self.rules, self.batch_axes,
+                                       axis_types, pipelined=self.pipeline is not None)
 
   @classmethod
   def from_config(cls, config: ml_collections.ConfigDict) -> ShardedDataParallel:
@@ -170,7 +179,7 @@ class ShardedDataParallel(GlobalMeshBatch, Strategy):
       return
     with jax.set_mesh(self.mesh), nn.logical_axis_rules(
         layout.with_mesh_axes(self.rules, self.mesh.axis_names)), pipelining.active(
-            self.pipeline), context_lib.active(self.context):
+            self.pipeline), context_lib.active(self.context), expert_lib.active(self.expert):
       yield
 
   def state_shardings(self, abstract_state: PyTree) -> PyTree:
@@ -182,6 +191,7 @@ class ShardedDataParallel(GlobalMeshBatch, Strategy):
     """
     if self.pipeline is not None:
       self.pipeline.check_state(abstract_state)
+    expert_lib.check_state(self.expert, abstract_state)
     layout.check_layout(abstract_state, self.rules, dict(self.mesh.shape), self.batch_axes,
                         max_replicated_mb=self.max_replicated_mb)
     return jax.tree.map(lambda spec: NamedSharding(self.mesh, spec),
@@ -270,4 +280,5 @@ class ShardedDataParallel(GlobalMeshBatch, Strategy):
     return (f"{self.name}: {self.axis_types} mesh ({mesh}), batch {self.batch_spec}, "
             f"{self.num_data_replicas} data replica(s), rules {self.rules}"
             + (f"; {self.pipeline.describe()}" if self.pipeline else "")
-            + (f"; {self.context.describe()}" if self.context else ""))
+            + (f"; {self.context.describe()}" if self.context else "")
+            + (f"; {self.expert.describe()}" if self.expert and self.expert.axis else ""))

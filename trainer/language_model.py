@@ -12,6 +12,9 @@ import numpy as np
 import optax
 
 import models
+from models import moe
+from models.moe import MoeOutput
+from trainer import metrics as metrics_lib
 from trainer.data import packing
 from trainer.trainer import Batch, Trainer
 
@@ -96,16 +99,45 @@ class LanguageModelTrainer(Trainer):
     packed = {k: batch[k] for k in (packing.SEGMENT_IDS, packing.POSITIONS) if k in batch}
     return (batch[self.input_key],), packed
 
-  def prediction(self, outputs: jax.Array) -> jax.Array:
+  def prediction(self, outputs: jax.Array | MoeOutput) -> jax.Array:
     """Next-token probabilities over the real vocabulary (the padded columns dropped)."""
-    return jax.nn.softmax(outputs[..., :self.config.model.vocab_size], axis=-1)
+    logits = outputs.logits if isinstance(outputs, MoeOutput) else outputs
+    return jax.nn.softmax(logits[..., :self.config.model.vocab_size], axis=-1)
 
-  def loss(self, logits: jax.Array, batch: Batch) -> jax.Array:
-    per_token = optax.softmax_cross_entropy_with_integer_labels(logits, batch[self.target_key])
+  def loss(self, outputs: jax.Array | MoeOutput, batch: Batch) -> jax.Array:
+    """Each example's next-token cross-entropy; a mixture of experts adds its router losses
+    (`config.moe`'s weights times `models.moe.summarize`'s), the same to every example."""
+    if isinstance(outputs, MoeOutput):
+      router = moe.summarize(outputs.router)
+      extra = (self.config.moe.load_balance_weight * router["load_balance"]
+               + self.config.moe.router_z_weight * router["router_z"])
+      return self.loss(outputs.logits, batch) + extra
+    per_token = optax.softmax_cross_entropy_with_integer_labels(outputs,
+                                                                batch[self.target_key])
     if packing.SEGMENT_IDS not in batch:
       return per_token.mean(axis=-1)
     real = (batch[packing.SEGMENT_IDS] > 0).astype(per_token.dtype)
     return (per_token * real).sum(axis=-1) / jnp.maximum(real.sum(axis=-1), 1.0)
+
+  def train_metrics(self, outputs, batch: Batch, loss: jax.Array):
+    """The loss; a mixture of experts' router losses and routing too
+    (`trainer.metrics.moe_train_metrics`), where a user sees routing collapse."""
+    if not isinstance(outputs, MoeOutput):
+      return super().train_metrics(outputs, batch, loss)
+    router = moe.summarize(outputs.router)
+    share = router["expert_share"]
+    values = dict(loss=loss, moe_load_balance=router["load_balance"],
+                  moe_router_z=router["router_z"],
+                  moe_dropped_fraction=router["dropped_fraction"],
+                  moe_max_load=share.max() * share.shape[-1],
+                  **{f"moe_expert_{e}_share": share[e] for e in range(share.shape[-1])})
+    return metrics_lib.moe_train_metrics(share.shape[-1]).single_from_model_output(**values)
+
+  def eval_metrics(self, outputs, batch: Batch):
+    """The eval loss is the cross-entropy alone (a mixture of experts' router losses are a
+    training objective, not the model's fit)."""
+    return super().eval_metrics(
+        outputs.logits if isinstance(outputs, MoeOutput) else outputs, batch)
 
   def tokens_per_example(self, batch: Batch) -> int:
     """The target tokens of one row; of a packed batch, the real (not padding) ones per row."""

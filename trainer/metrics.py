@@ -2,6 +2,8 @@
 
 # No `from __future__ import annotations`: clu reads metric classes from annotations.
 
+import functools
+
 import flax
 import jax
 import jax.numpy as jnp
@@ -15,6 +17,18 @@ class LossMetrics(metrics.Collection):
   """The mean per-example loss."""
 
   loss: metrics.Average.from_output("loss")
+
+
+@functools.cache
+def moe_train_metrics(num_experts: int) -> type[metrics.Collection]:
+  """The loss and a mixture of experts' router metrics (`models.moe.summarize`): the
+  load-balancing and z losses, the dropped fraction, the largest expert's load (its share
+  times the experts: 1 balanced, `experts` when all choose one) and each expert's share."""
+  fields = {name: metrics.Average.from_output(name) for name in (
+      "loss", "moe_load_balance", "moe_router_z", "moe_dropped_fraction", "moe_max_load")}
+  fields.update({f"moe_expert_{e}_share": metrics.Average.from_output(f"moe_expert_{e}_share")
+                 for e in range(num_experts)})
+  return metrics.Collection.create(**fields)
 
 
 @flax.struct.dataclass

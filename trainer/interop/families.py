@@ -23,7 +23,7 @@ class Rule:
   """One HF tensor (per layer where `hf` holds `{i}`) <-> one parameter of ours.
 
   Attributes:
-    hf: the HF name; `{i}` stands for the layer index.
+    hf: the HF name; `{i}` stands for the layer index, `{e}` for the expert's.
     ours: our parameter path (`/`-joined, as `config.init_from` and `config.freeze` name it).
     split: how each HF axis splits, one entry per HF axis: a width, or a tuple of widths
       it is the row-major product of (letters are model widths); () keeps the shape.
@@ -41,6 +41,11 @@ class Rule:
   @property
   def stacked(self) -> bool:
     return "{i}" in self.hf
+
+  @property
+  def per_expert(self) -> bool:
+    """One HF tensor per expert (`{e}`): ours stacks them on an `expert` axis after `layer`."""
+    return "{e}" in self.hf
 
 
 @dataclasses.dataclass(frozen=True)
@@ -302,7 +307,111 @@ def _llama_like(model_type: str) -> Family:
 
 LLAMA, MISTRAL, QWEN2, QWEN3 = map(_llama_like, ("llama", "mistral", "qwen2", "qwen3"))
 
-FAMILIES = {family.model_type: family for family in (GPT2, LLAMA, MISTRAL, QWEN2, QWEN3)}
+
+# -- Mixtral and Qwen3-MoE: the Llama module with a mixture of experts (models/moe.py) ----
+
+#: HF config fields of routings `models.moe` does not compute, and what each asks for.
+_OTHER_ROUTING = {
+    "scoring_func": ("softmax", "another scoring function than a softmax over the experts"),
+    "n_shared_experts": (0, "shared experts every token passes through"),
+    "shared_expert_intermediate_size": (0, "a shared expert every token passes through"),
+    "n_group": (1, "grouped routing (top-k within the best expert groups)"),
+    "topk_group": (1, "grouped routing (top-k within the best expert groups)"),
+    "topk_method": ("greedy", "another top-k method than greedy"),
+}
+_MOE_FIELDS = {"mixtral": ("num_local_experts", "intermediate_size", "block_sparse_moe"),
+               "qwen3_moe": ("num_experts", "moe_intermediate_size", "mlp")}
+#: The per-expert weights' HF names under the block's MoE module (gate, up, down).
+_EXPERT_NAMES = {"mixtral": ("w1", "w3", "w2"),
+                 "qwen3_moe": ("gate_proj", "up_proj", "down_proj")}
+
+
+def _check_routing(hf: Mapping[str, Any]) -> None:
+  """Refuses an MoE config whose routing the module does not compute, naming the field."""
+  for field, (plain, what) in _OTHER_ROUTING.items():
+    value = hf.get(field)
+    if value not in (None, plain, False) and not (plain == 1 and value == 0):
+      raise UnsupportedModelError(
+          f"the Hugging Face config has {field}={value!r}: {what}; this project's "
+          f"{hf.get('model_type')} routes each token to its top-k experts by a softmax "
+          f"over all experts (models/moe.py) and computes no other routing.")
+
+
+def _moe_fields(hf: Mapping[str, Any]) -> dict[str, Any]:
+  kind = hf.get("model_type")
+  _check_routing(hf)
+  _refuse_unless(hf, "router_jitter_noise", (0, 0.0, None), 0.0)
+  experts_field, width_field, _ = _MOE_FIELDS[kind]
+  if kind == "qwen3_moe":
+    _refuse_unless(hf, "decoder_sparse_step", (1,), 1)
+    if hf.get("mlp_only_layers"):
+      raise UnsupportedModelError(
+          f"the Hugging Face config has mlp_only_layers={hf['mlp_only_layers']!r}: dense "
+          f"layers between the mixture-of-experts ones; this project's qwen3_moe has experts "
+          f"in every layer.")
+  fields = _llama_fields({**hf, "model_type": "qwen3" if kind == "qwen3_moe" else "mistral"})
+  # transformers 5 saves Qwen3-MoE's `num_experts` as `num_local_experts`; either is read.
+  experts = hf.get(experts_field) or hf.get("num_local_experts") or hf.get("num_experts")
+  fields.update(family=kind, num_experts=int(experts),
+                num_experts_per_tok=int(hf["num_experts_per_tok"]),
+                moe_mlp_dim=int(hf[width_field]),
+                norm_topk_prob=bool(hf.get("norm_topk_prob", kind == "mixtral")))
+  return fields
+
+
+def _moe_hf_config(f: Mapping[str, Any]) -> dict[str, Any]:
+  kind = f["family"]
+  experts_field, width_field, _ = _MOE_FIELDS[kind]
+  base = {**f, "family": "qwen3" if kind == "qwen3_moe" else "mistral"}
+  out = _llama_hf_config(base)
+  out.update(architectures=[_ARCHITECTURES[kind]], model_type=kind,
+             num_experts_per_tok=f["num_experts_per_tok"], router_aux_loss_coef=0.001,
+             output_router_logits=False, **{experts_field: f["num_experts"]})
+  width = f.get("moe_mlp_dim") or f["mlp_dim"]
+  if kind == "mixtral":
+    out.update(intermediate_size=width, router_jitter_noise=0.0)
+  else:
+    out.update(moe_intermediate_size=width, norm_topk_prob=f["norm_topk_prob"],
+               decoder_sparse_step=1, mlp_only_layers=[])
+  return out
+
+
+def _moe_dims(f: Mapping[str, Any]) -> dict[str, int]:
+  return {**_llama_dims(f), "F": int(f.get("moe_mlp_dim") or f["mlp_dim"])}
+
+
+def _moe_rules(f: Mapping[str, Any]) -> list[Rule]:
+  kind = f["family"]
+  base = {**f, "family": "qwen3" if kind == "qwen3_moe" else "mistral"}
+  rules = [r for r in _llama_rules(base) if "/mlp/" not in r.ours]
+  module = f"model.layers.{{i}}.{_MOE_FIELDS[kind][2]}"
+  ours = "blocks/layers/mlp"
+  gate, up, down = _EXPERT_NAMES[kind]
+  rules += [Rule(f"{module}.gate.weight", f"{ours}/gate/kernel", (), (1, 0)),
+            Rule(f"{module}.experts.{{e}}.{gate}.weight", f"{ours}/gate_proj", (), (1, 0)),
+            Rule(f"{module}.experts.{{e}}.{up}.weight", f"{ours}/up_proj", (), (1, 0)),
+            Rule(f"{module}.experts.{{e}}.{down}.weight", f"{ours}/down_proj", (), (1, 0))]
+  return rules
+
+
+def _moe_build(f: Mapping[str, Any]) -> Any:
+  fields = {k: v for k, v in f.items() if k != "family"}
+  variant = _VARIANTS["qwen3" if f["family"] == "qwen3_moe" else "mistral"]
+  return functools.partial(_llama_module(), **{**fields, **variant})
+
+
+def _moe_family(model_type: str) -> Family:
+  return Family(model_type, _ARCHITECTURES[model_type], "", _moe_fields, _moe_hf_config,
+                _moe_dims, _moe_rules,
+                ignored=("model.layers.{i}.self_attn.rotary_emb.inv_freq", "lm_head.weight"),
+                build=_moe_build, module=_llama_module)
+
+
+_ARCHITECTURES.update(mixtral="MixtralForCausalLM", qwen3_moe="Qwen3MoeForCausalLM")
+MIXTRAL, QWEN3_MOE = map(_moe_family, ("mixtral", "qwen3_moe"))
+
+FAMILIES = {family.model_type: family
+            for family in (GPT2, LLAMA, MISTRAL, QWEN2, QWEN3, MIXTRAL, QWEN3_MOE)}
 
 
 def get(model_type: str, *, field: str = "model_type") -> Family:

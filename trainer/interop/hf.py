@@ -17,6 +17,7 @@ with HF's names and layouts, which `transformers` loads (`from_pretrained`).
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -184,7 +185,8 @@ class Conversion:
 
 
 def _pattern(template: str, prefix: str) -> re.Pattern:
-  body = re.escape(template).replace(re.escape("{i}"), r"(\d+)")
+  body = (re.escape(template).replace(re.escape("{i}"), r"(?P<i>\d+)")
+          .replace(re.escape("{e}"), r"(?P<e>\d+)"))
   return re.compile(f"(?:{re.escape(prefix)})?{body}" if prefix else body)
 
 
@@ -224,11 +226,24 @@ class ResolvedRules:
     self.dims = family.dims(fields)
     self.rules = family.rules(fields)
     self.num_layers = int(fields["num_layers"])
+    self.num_experts = int(fields.get("num_experts") or 0)
+
+  def stack(self, rule: Rule) -> tuple[int, ...]:
+    """The leading axes a rule's tensors are stacked on: `layer` (`{i}`), then `expert`
+    (`{e}`)."""
+    return (((self.num_layers,) if rule.stacked else ())
+            + ((self.num_experts,) if rule.per_expert else ()))
+
+  def indices(self, rule: Rule) -> list[tuple[int, ...]]:
+    """Every (layer[, expert]) index of a rule's tensors, in the stacked order."""
+    return list(itertools.product(*map(range, self.stack(rule))))
+
+  def hf_name(self, rule: Rule, index: tuple[int, ...], prefix: str = "") -> str:
+    names = (["i"] if rule.stacked else []) + (["e"] if rule.per_expert else [])
+    return prefix + rule.hf.format(**dict(zip(names, index, strict=True)))
 
   def hf_names(self, rule: Rule, prefix: str = "") -> list[str]:
-    if rule.stacked:
-      return [prefix + rule.hf.format(i=i) for i in range(self.num_layers)]
-    return [prefix + rule.hf]
+    return [self.hf_name(rule, index, prefix) for index in self.indices(rule)]
 
 
 def open_source(path: str):
@@ -245,7 +260,7 @@ def open_source(path: str):
   files = SafetensorsFiles(path)
   patterns = [(rule, _pattern(rule.hf, family.prefix)) for rule in mapping.rules]
   ignored = [_pattern(name, family.prefix) for name in family.ignored]
-  found: dict[str, dict[int, str]] = {rule.ours: {} for rule in mapping.rules}
+  found: dict[str, dict[tuple[int, ...], str]] = {rule.ours: {} for rule in mapping.rules}
   unmatched = []
   for name in files.names():
     hit = next(((rule, m) for rule, p in patterns if (m := p.fullmatch(name))), None)
@@ -254,7 +269,7 @@ def open_source(path: str):
         unmatched.append(name)
       continue
     rule, m = hit
-    found[rule.ours][int(m.group(1)) if rule.stacked else -1] = name
+    found[rule.ours][tuple(int(m.group(g)) for g in ("i", "e") if g in m.groupdict())] = name
   where = files.description
   if unmatched:
     raise ValueError(f"config.init_from.path: {len(unmatched)} tensor(s) of {where} match no "
@@ -263,14 +278,14 @@ def open_source(path: str):
   problems, conversions = [], {}
   for rule in mapping.rules:
     layers = found[rule.ours]
-    want = list(range(mapping.num_layers)) if rule.stacked else [-1]
-    missing = [mapping.hf_names(rule)[i] if rule.stacked else rule.hf
-               for i in want if i not in layers]
+    want = mapping.indices(rule)
+    missing = [mapping.hf_name(rule, i) for i in want if i not in layers]
     extra = sorted(set(layers) - set(want))
     if missing or extra:
+      stacked = (f"num_hidden_layers={mapping.num_layers}"
+                 + (f" and {mapping.num_experts} experts" if rule.per_expert else ""))
       problems.append(f"{rule.ours}: " + (f"missing {missing[:4]}" if missing else "") +
-                      (f" layers {extra} beyond num_hidden_layers={mapping.num_layers}"
-                       if extra else ""))
+                      (f" indices {extra[:4]} beyond {stacked}" if extra else ""))
       continue
     shapes = {files.shape(layers[i]) for i in want}
     if len(shapes) > 1:
@@ -287,17 +302,22 @@ def open_source(path: str):
 
   def shape_of(path: str) -> tuple[int, ...]:
     c = conversions[path]
-    return ((mapping.num_layers,) if c.rule.stacked else ()) + c.shape
+    return mapping.stack(c.rule) + c.shape
 
   def read_slice(collection: str, path: str, index: Sequence[Any] | None) -> np.ndarray:
+    """Our `path[index]`: each (layer[, expert]) tensor in the index read for its slice
+    only, so a device reads only its layers' and experts' tensors."""
     del collection
     c = conversions[path]
-    if not c.rule.stacked:
-      return c.read(files, found[path][-1], index)
+    stack = mapping.stack(c.rule)
+    if not stack:
+      return c.read(files, found[path][()], index)
     index = _full(index, shape_of(path))
-    layers, rest = index[0], index[1:]
-    return np.stack([c.read(files, found[path][i], rest)
-                     for i in range(layers.start, layers.stop)])
+    outer, rest = index[:len(stack)], index[len(stack):]
+    picked = list(itertools.product(*(range(s.start, s.stop) for s in outer)))
+    parts = [c.read(files, found[path][i], rest) for i in picked]
+    sizes = tuple(s.stop - s.start for s in outer)
+    return np.stack(parts).reshape(sizes + parts[0].shape)
 
   def read(wanted: Mapping[str, list[str]]):
     return {c: {p: read_slice(c, p, None) for p in paths} for c, paths in wanted.items()}
@@ -329,17 +349,18 @@ def export(values: Mapping[str, np.ndarray], fields: Mapping[str, Any], out_dir:
                        f"{sorted(values)[:12]}.")
     used.add(rule.ours)
     x = np.asarray(values[rule.ours])
+    stack = mapping.stack(rule)
     if rule.vocab is not None:  # A vocabulary padded to the mesh: only the real rows.
-      x = np.take(x, np.arange(fields["vocab_size"]), axis=rule.vocab + rule.stacked)
-    one = x.shape[1:] if rule.stacked else x.shape
+      x = np.take(x, np.arange(fields["vocab_size"]), axis=rule.vocab + len(stack))
+    one = x.shape[len(stack):]
     # A rule without a split keeps each axis: the HF shape is ours, un-permuted.
     hf_shape = () if rule.split else tuple(
         one[i] for i in np.argsort(rule.perm or range(len(one))))
     conversion = Conversion(rule, mapping.dims, hf_shape)
-    if tuple(x.shape[1:] if rule.stacked else x.shape) != conversion.shape:
+    if x.shape != stack + conversion.shape:
       raise ValueError(f"export: {rule.ours!r} has shape {x.shape}; the model's widths "
-                       f"({mapping.dims}) make one layer of it {conversion.shape}.")
-    layers = list(x) if rule.stacked else [x]
+                       f"({mapping.dims}) make it {stack + conversion.shape}.")
+    layers = list(x.reshape(-1, *conversion.shape))
     for name, layer in zip(mapping.hf_names(rule, family.prefix), layers, strict=True):
       y = conversion.to_hf(np.asarray(layer))
       tensors[name] = y.astype(dtype) if dtype else y
