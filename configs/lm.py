@@ -38,6 +38,8 @@ Expert layouts (`strategies/expert.py`), for a mixture of experts
 `expert -> expert` split the experts over it, the batch split over it too; tokens reach
 their experts' devices by all-to-all.
 
+A layout of these makes the model a mixture of 8 experts unless `num_experts` is set.
+
 - `expert`: the whole mesh on `expert` (8 experts: one per device).
 - `data_expert`: 2 data x 4 expert.
 - `expert_tensor`: 2 expert x 4 model, each expert's MLP split over `model`.
@@ -64,8 +66,15 @@ def rules(batch="data", **mapped: str) -> tuple:
 #: llama's key/value heads, RMSNorm epsilon, rope base and tied head; gpt2's LayerNorm
 #: epsilon and dropout. A family refuses a field it does not have that is set.
 FAMILY_FIELDS = dict(num_kv_heads=None, rms_norm_eps=None, rope_theta=None,
-                     tie_word_embeddings=None, layer_norm_epsilon=None, dropout_rate=None,
-                     num_experts=None, num_experts_per_tok=None, capacity_factor=None)
+                     tie_word_embeddings=None, layer_norm_epsilon=None, dropout_rate=None)
+
+
+def moe_fields() -> dict:
+  """A mixture of experts' fields (`models/moe.py`), unset (a dense model) but typed, so a
+  flag sets them: `--config.model.num_experts=8 --config.model.capacity_factor=1.25`."""
+  placeholder = ml_collections.config_dict.placeholder
+  return dict(num_experts=placeholder(int), num_experts_per_tok=placeholder(int),
+              capacity_factor=placeholder(float))
 
 _TENSOR = dict(heads="model", mlp="model", vocab="model")
 _BY_EXPERT = ("data", "expert")  # The batch over both: each expert device routes its rows.
@@ -94,6 +103,8 @@ LAYOUTS = {
     "expert_fsdp": ((2, -1), ("data", "expert"),
                     rules(_BY_EXPERT, expert="expert", embed="data")),
 }
+#: The expert layouts: an MoE model of 8 experts by default (`config.model.num_experts`).
+EXPERT_LAYOUTS = ("expert", "data_expert", "expert_tensor", "expert_fsdp")
 #: The context layouts' `config.strategy.context` fields.
 CONTEXTS = {"context_ring": dict(method="ring")}
 #: The pipeline layouts' layers and `config.strategy.pipeline` fields.
@@ -115,7 +126,7 @@ def get_config(layout: str = "data_parallel") -> ml_collections.ConfigDict:
   # layout runs every family by flag: --config.model.family=gpt2.
   config.model = ml_collections.ConfigDict(dict(
       family="transformer", vocab_size=64, num_layers=2, embed_dim=64, num_heads=8,
-      head_dim=8, mlp_dim=256, max_len=64, **FAMILY_FIELDS))
+      head_dim=8, mlp_dim=256, max_len=64, **FAMILY_FIELDS, **moe_fields()))
   config.seq_len = 32
   config.batch_size = 32
   config.eval_batch_size = 32
@@ -134,4 +145,6 @@ def get_config(layout: str = "data_parallel") -> ml_collections.ConfigDict:
     config.model.num_layers = fields.pop("num_layers")
     config.strategy.pipeline.update(fields)
   config.strategy.context.update(CONTEXTS.get(layout, {}))
+  if layout in EXPERT_LAYOUTS:
+    config.model.num_experts = 8
   return config

@@ -93,9 +93,12 @@ class MoeOutput(NamedTuple):
   router: RouterStats
 
 
-def check_fields(num_experts: int, top_k: int, capacity_factor: float | None) -> None:
-  """Raises `MoeError` naming `config.model`'s field for experts, top-k or capacity that
-  cannot route."""
+def check_fields(num_experts: int, top_k: int, capacity_factor: float | None,
+                 dispatch: str = "ragged") -> None:
+  """Raises `MoeError` naming `config.model`'s field for experts, top-k, capacity or
+  dispatch that cannot route."""
+  if dispatch not in DISPATCHES:
+    raise MoeError(f"config.model.moe_dispatch={dispatch!r} is not one of {DISPATCHES}.")
   if num_experts < 1:
     raise MoeError(f"config.model.num_experts={num_experts} must be at least 1.")
   if not 1 <= top_k <= num_experts:
@@ -130,11 +133,17 @@ def within_capacity(ids: jax.Array, num_experts: int, limit: int | None) -> jax.
   second ones, earlier tokens first."""
   if limit is None:
     return jnp.ones(ids.shape, bool)
+  return _slots(ids, num_experts) < limit
+
+
+def _slots(ids: jax.Array, num_experts: int) -> jax.Array:
+  """Each choice's place `[batch, length, k]` among its expert's choices in its sequence:
+  first choices before second ones, earlier tokens first."""
   b, length, k = ids.shape
   ordered = ids.transpose(0, 2, 1).reshape(b, k * length)  # Choice rank, then position.
   onehot = jax.nn.one_hot(ordered, num_experts, dtype=jnp.int32)
   slot = (jnp.cumsum(onehot, axis=1) * onehot).sum(-1) - 1
-  return (slot < limit).reshape(b, k, length).transpose(0, 2, 1)
+  return slot.reshape(b, k, length).transpose(0, 2, 1)
 
 
 def router_stats(logits: jax.Array, probs: jax.Array, ids: jax.Array,
@@ -267,15 +276,78 @@ def _exchanged_experts(plan: expert_lib.ExpertPlan, limit: int | None, x, ids, g
   send = jnp.zeros((size * slots + 1, d), x.dtype).at[where].set(tokens[order // k])
   send_ids = jnp.full((size * slots + 1,), local, jnp.int32).at[where].set(expert % local)
   received, received_ids = (
-      plan.exchange(a[:-1].reshape(size, slots, *a.shape[1:])) for a in (send, send_ids))
+      plan.all_to_all(a[:-1].reshape(size, slots, *a.shape[1:])) for a in (send, send_ids))
   flat_ids = received_ids.reshape(-1)  # `local` marks an empty slot.
   arrived = jnp.argsort(flat_ids, stable=True)
   sizes = jnp.bincount(flat_ids, length=local + 1)[:local]
   ys = _grouped_swiglu(received.reshape(-1, d)[arrived], sizes, w_gate, w_up, w_down)
   done = jnp.zeros_like(ys).at[arrived].set(ys).reshape(size, slots, d)
-  back = plan.exchange(done).reshape(size * slots, d)
+  back = plan.all_to_all(done).reshape(size * slots, d)
   back = jnp.concatenate([back, jnp.zeros((1, d), back.dtype)])
   y_choices = jnp.zeros((n, d), back.dtype).at[order].set(back[where])
+  return _combine(y_choices, gates, keep)
+
+
+def einsum_experts(x: jax.Array, ids: jax.Array, gates: jax.Array, w_gate: jax.Array,
+                   w_up: jax.Array, w_down: jax.Array, limit: int) -> jax.Array:
+  """The same as `expert_ffn` with a capacity of `limit` per expert and sequence, by dense
+  one-hot dispatch and combine tensors `[batch, length, experts, limit]` and einsums (GShard's
+  form): what `benchmarks/moe.py` measures the grouped products against. Its dispatch
+  tensor grows with the square of the sequence length."""
+  num_experts = w_gate.shape[0]
+  slots = _slots(ids, num_experts)
+  place = (jax.nn.one_hot(ids, num_experts, dtype=x.dtype)[..., None]
+           * jax.nn.one_hot(slots, limit, dtype=x.dtype)[..., None, :])  # [b, l, k, e, c]
+  dispatch = place.sum(2)
+  combine = (place * gates.astype(x.dtype)[..., None, None]).sum(2)
+  inputs = jnp.einsum("blec,bld->becd", dispatch, x)
+  h = (jax.nn.silu(jnp.einsum("becd,edf->becf", inputs, w_gate))
+       * jnp.einsum("becd,edf->becf", inputs, w_up))
+  return jnp.einsum("blec,becd->bld", combine, jnp.einsum("becf,efd->becd", h, w_down))
+
+
+def _ragged_exchanged_experts(plan: expert_lib.ExpertPlan, limit: int | None, x, ids, gates,
+                              keep, w_gate, w_up, w_down) -> jax.Array:
+  """`_exchanged_experts` by `jax.lax.ragged_all_to_all`: each device sends each other
+  device exactly its choices for that device's experts (the sizes exchanged first), and
+  the results come back into the sender's sorted order. The receiving buffer is sized as
+  `_exchanged_experts`' (the worst case); what crosses the network is only what is used."""
+  size, local = plan.size, w_gate.shape[0]
+  b, length, d = x.shape
+  k = ids.shape[-1]
+  n = b * length * k
+  slots = n if limit is None else min(n, b * local * limit)
+  key = jnp.where(keep, ids, size * local).reshape(-1)
+  order = jnp.argsort(key, stable=True)
+  expert = key[order]
+  sizes = jnp.bincount(expert // local, length=size + 1)[:size].astype(jnp.int32)
+  starts = (jnp.cumsum(sizes) - sizes).astype(jnp.int32)
+  # [sender, receiver] sizes and starts of every device's sends.
+  all_sizes = jax.lax.all_gather(sizes, plan.axis)
+  all_starts = jax.lax.all_gather(starts, plan.axis)
+  me = jax.lax.axis_index(plan.axis)
+  placed = (jnp.cumsum(all_sizes, axis=0) - all_sizes)[me]  # Where mine land on each peer.
+  received_sizes = all_sizes[:, me]
+  received_starts = (jnp.cumsum(received_sizes) - received_sizes).astype(jnp.int32)
+
+  def send(operand, output, offsets, counts, there, incoming):
+    return jax.lax.ragged_all_to_all(operand, output, offsets, counts, there, incoming,
+                                     axis_name=plan.axis)
+
+  tokens = x.reshape(b * length, d)[order // k]
+  received = send(tokens, jnp.zeros((size * slots, d), x.dtype), starts, sizes, placed,
+                  received_sizes)
+  received_ids = send((expert % local).astype(jnp.int32),
+                      jnp.full((size * slots,), local, jnp.int32), starts, sizes, placed,
+                      received_sizes)
+  arrived = jnp.argsort(received_ids, stable=True)
+  counts = jnp.bincount(received_ids, length=local + 1)[:local]
+  ys = _grouped_swiglu(received[arrived], counts, w_gate, w_up, w_down)
+  done = jnp.zeros_like(ys).at[arrived].set(ys)
+  back = send(done, jnp.zeros((n, d), done.dtype), received_starts, received_sizes,
+              all_starts[:, me], sizes)
+  kept = (jnp.arange(n) < sizes.sum())[:, None]  # Dropped choices sort last: zero.
+  y_choices = jnp.zeros((n, d), back.dtype).at[order].set(jnp.where(kept, back, 0))
   return _combine(y_choices, gates, keep)
 
 
@@ -296,16 +368,24 @@ def expert_ffn(x: jax.Array, ids: jax.Array, gates: jax.Array, keep: jax.Array,
   plan.check_experts(w_gate.shape[0], "the experts' weights")
   rows = PartitionSpec(plan.batch_axes or None)
   weights = PartitionSpec(plan.axis) if plan.axis else PartitionSpec()
+  exchanged = (_ragged_exchanged_experts if plan.exchange == "ragged_all_to_all" else
+               _exchanged_experts)
   body = (_local_experts if plan.axis is None else
-          lambda *a: _exchanged_experts(plan, limit, *a))
+          lambda *a: exchanged(plan, limit, *a))
   return jax.shard_map(body, in_specs=(rows, rows, rows, rows, weights, weights, weights),
                        out_specs=rows, axis_names=set(plan.manual_axes),
                        check_vma=False)(x, ids, gates, keep, w_gate, w_up, w_down)
 
 
+#: How tokens reach their experts: sorted, by grouped products (`expert_ffn`); or by dense
+#: one-hot dispatch einsums (`einsum_experts`: with a capacity, without an `expert` axis).
+DISPATCHES = ("ragged", "einsum")
+
+
 def moe_forward(x: jax.Array, router_kernel: jax.Array, w_gate: jax.Array, w_up: jax.Array,
                 w_down: jax.Array, *, top_k: int, normalize: bool,
-                capacity_factor: float | None) -> tuple[jax.Array, RouterStats]:
+                capacity_factor: float | None,
+                dispatch: str = "ragged") -> tuple[jax.Array, RouterStats]:
   """The MoE feed-forward of `x [batch, length, embed]` and the layer's router statistics."""
   num_experts = w_gate.shape[0]
   logits = jnp.einsum("ble,en->bln", x, router_kernel)
@@ -313,7 +393,15 @@ def moe_forward(x: jax.Array, router_kernel: jax.Array, w_gate: jax.Array, w_up:
   limit = (None if capacity_factor is None else
            capacity(x.shape[1], top_k, num_experts, capacity_factor))
   keep = within_capacity(ids, num_experts, limit)
-  y = expert_ffn(x, ids, gates, keep, w_gate, w_up, w_down, limit)
+  if dispatch == "einsum":
+    plan = expert_lib.current()
+    if limit is None or (plan is not None and plan.axis):
+      raise MoeError(f"config.model.moe_dispatch='einsum' needs a capacity "
+                     f"(config.model.capacity_factor, now {capacity_factor}) and no "
+                     f"'expert' mesh axis; use 'ragged' otherwise.")
+    y = einsum_experts(x, ids, gates, w_gate, w_up, w_down, limit)
+  else:
+    y = expert_ffn(x, ids, gates, keep, w_gate, w_up, w_down, limit)
   y = nn.with_logical_constraint(y.astype(x.dtype), ("batch", "length", "embed"))
   return y, router_stats(logits, probs, ids, keep)
 
@@ -354,10 +442,11 @@ class MoeMlp(nn.Module):
   top_k: int = 2
   normalize: bool = True
   capacity_factor: float | None = None
+  dispatch: str = "ragged"
 
   @nn.compact
   def __call__(self, x: jax.Array) -> tuple[jax.Array, RouterStats]:
-    check_fields(self.num_experts, self.top_k, self.capacity_factor)
+    check_fields(self.num_experts, self.top_k, self.capacity_factor, self.dispatch)
     embed = x.shape[-1]
 
     def param(name, shape, names):
@@ -370,4 +459,5 @@ class MoeMlp(nn.Module):
     w_down = param("down_proj", (self.num_experts, self.mlp_dim, embed),
                    (EXPERT, "mlp", "embed"))
     return moe_forward(x, router, w_gate, w_up, w_down, top_k=self.top_k,
-                       normalize=self.normalize, capacity_factor=self.capacity_factor)
+                       normalize=self.normalize, capacity_factor=self.capacity_factor,
+                       dispatch=self.dispatch)

@@ -36,6 +36,7 @@ class DecoderBlock(nn.Module):
   num_experts: int = 0
   num_experts_per_tok: int = 2
   capacity_factor: float | None = None
+  moe_dispatch: str = "ragged"
 
   @nn.compact
   def __call__(self, carry: tuple) -> tuple:
@@ -63,7 +64,8 @@ class DecoderBlock(nn.Module):
     y = norm("mlp_norm")(x)
     if self.num_experts:
       out, layer_stats = MoeMlp(self.mlp_dim, self.num_experts, self.num_experts_per_tok,
-                                capacity_factor=self.capacity_factor, name="moe")(y)
+                                capacity_factor=self.capacity_factor,
+                                dispatch=self.moe_dispatch, name="moe")(y)
       x = nn.with_logical_constraint(x + out, ("batch", "length", "embed"))
       return x, segment_ids, stats[0] + layer_stats
     h = nn.Dense(self.mlp_dim, use_bias=False, name="wi",
@@ -94,6 +96,8 @@ class TransformerLM(nn.Module):
     num_experts_per_tok: the experts each token is routed to (top-k).
     capacity_factor: None (dropless), or each expert's capacity per sequence as a
       multiple of an even share (`models.moe.capacity`).
+    moe_dispatch: `ragged` (grouped products of the tokens sorted by expert) or `einsum`
+      (dense one-hot dispatch, with a capacity: the baseline `benchmarks/moe.py` measures).
   """
 
   vocab_size: int
@@ -107,6 +111,7 @@ class TransformerLM(nn.Module):
   num_experts: int = 0
   num_experts_per_tok: int = 2
   capacity_factor: float | None = None
+  moe_dispatch: str = "ragged"
 
   @nn.compact
   def __call__(self, tokens: jax.Array, segment_ids: jax.Array | None = None,
@@ -126,7 +131,7 @@ class TransformerLM(nn.Module):
       segment_ids = jnp.zeros(tokens.shape, jnp.int32)
     block = dict(num_heads=self.num_heads, head_dim=self.head_dim, mlp_dim=self.mlp_dim,
                  num_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok,
-                 capacity_factor=self.capacity_factor)
+                 capacity_factor=self.capacity_factor, moe_dispatch=self.moe_dispatch)
     carry = (x, segment_ids)
     if self.num_experts:
       carry += (RouterStats.zeros(tokens.shape[0], self.num_experts),)

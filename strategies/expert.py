@@ -7,10 +7,14 @@ rows as data parallelism does; the MoE feed-forward (`models.moe.expert_ffn`) ru
 each device's rows in a `shard_map` and sends each token's chosen experts' inputs to the
 devices that hold them, and the results back, by all-to-all (`ExpertPlan.exchange`).
 
-The buffers are of fixed size: `jax.lax.all_to_all`, which every backend compiles,
-sized for the worst case when dropless (all of a device's choices to one device) and for
-the capacity otherwise. (`jax.lax.ragged_all_to_all`, which sends only what is used,
-is not compiled by XLA:CPU: "HLO opcode `ragged-all-to-all` is not supported".)
+Two exchanges, picked by backend (`exchange_for`), with equal results:
+
+- `all_to_all`: fixed-size buffers (`jax.lax.all_to_all`, which every backend compiles),
+  sized for the worst case when dropless (all of a device's choices to one device) and
+  for the capacity otherwise; on XLA:CPU, which does not compile the other ("HLO opcode
+  `ragged-all-to-all` is not supported");
+- `ragged_all_to_all` (GPU, TPU): the sizes are exchanged first, then each device sends
+  each other exactly its choices for that device's experts.
 
 Under `sharded_data_parallel` without an `expert` axis the plan still runs the MoE
 feed-forward per device on its rows (no exchange), so the sort by expert never gathers
@@ -47,11 +51,14 @@ class ExpertPlan:
     size: the `expert` axis's devices (1 without one).
     axis: the `expert` mesh axis, or None (each device computes every expert for its rows).
     batch_axes: the mesh axes the batch is split over.
+    exchange: `all_to_all` (fixed-size buffers) or `ragged_all_to_all` (only the choices
+      each device has for each other; not on XLA:CPU): `from_mesh` picks by backend.
   """
 
   size: int
   axis: str | None
   batch_axes: tuple[str, ...]
+  exchange: str = "all_to_all"
 
   @property
   def manual_axes(self) -> tuple[str, ...]:
@@ -59,7 +66,7 @@ class ExpertPlan:
     its own rows) and `expert`; the others (a tensor-parallel `model`) stay automatic."""
     return tuple(dict.fromkeys(self.batch_axes + ((self.axis,) if self.axis else ())))
 
-  def exchange(self, x: jax.Array) -> jax.Array:
+  def all_to_all(self, x: jax.Array) -> jax.Array:
     """`x [size, ...]`, row `i` for device `i` -> row `j` from device `j`."""
     return jax.lax.all_to_all(x, self.axis, 0, 0)
 
@@ -73,12 +80,12 @@ class ExpertPlan:
           f"size divides {num_experts}.")
 
   def describe(self) -> str:
-    return (f"experts over {self.axis!r} ({self.axis}={self.size}), tokens by all_to_all"
-            if self.axis else "")
+    return (f"experts over {self.axis!r} ({self.axis}={self.size}), tokens by "
+            f"{self.exchange}" if self.axis else "")
 
 
 def from_mesh(mesh_shape: dict[str, int], rules, batch_axes: tuple[str, ...],
-              axis_types: str, *, pipelined: bool) -> ExpertPlan | None:
+              axis_types: str, *, pipelined: bool, platform: str = "cpu") -> ExpertPlan | None:
   """The expert plan of a mesh (None where the feed-forward runs as the partitioner lays it
   out: under `explicit` axis types or in a pipeline without an `expert` axis), checked.
 
@@ -117,7 +124,12 @@ def from_mesh(mesh_shape: dict[str, int], rules, batch_axes: tuple[str, ...],
         f"the mesh has both a 'stage' and an {EXPERT_AXIS!r} axis: a pipeline with expert "
         f"parallelism is not supported; use one of them (an MoE model runs under either).")
   return ExpertPlan(size=mesh_shape[EXPERT_AXIS], axis=EXPERT_AXIS,
-                    batch_axes=tuple(batch_axes))
+                    batch_axes=tuple(batch_axes), exchange=exchange_for(platform))
+
+
+def exchange_for(platform: str) -> str:
+  """`ragged_all_to_all` where the backend compiles it (GPU, TPU), else `all_to_all`."""
+  return "all_to_all" if platform == "cpu" else "ragged_all_to_all"
 
 
 def check_state(plan: ExpertPlan | None, abstract_state: PyTree) -> None:

@@ -130,7 +130,8 @@ class ShardedDataParallel(GlobalMeshBatch, Strategy):
     #: How the MoE feed-forward runs (`strategies.expert`): per device, with an `expert`
     #: axis exchanging tokens by all-to-all; None where the partitioner lays it out.
     self.expert = expert_lib.from_mesh(dict(self.mesh.shape), self.rules, self.batch_axes,
-                                       axis_types, pipelined=self.pipeline is not None)
+                                       axis_types, pipelined=self.pipeline is not None,
+                                       platform=devices[0].platform)
 
   @classmethod
   def from_config(cls, config: ml_collections.ConfigDict) -> ShardedDataParallel:

@@ -80,6 +80,8 @@ FEW_STEPS = {
     "benchmarks/first_step.py": ["--programs", "imports"],
     "benchmarks/long_context.py": ["--seqs", "64", "--contexts", "2", "--methods", "ring",
                                    "--rounds", "1", "--block-seconds", "0"],
+    "benchmarks/moe.py": ["--experts", "8", "--seq", "16", "--batch", "2", "--embed", "32",
+                          "--expert-width", "32", "--rounds", "1", "--block-seconds", "0"],
 }
 
 #: Documented paths that another documented command makes: before a command that reads one
@@ -113,6 +115,8 @@ EXPECTED_OUTPUT = {
     "benchmarks/hf_load.py": r"^fsdp \(8 devices\)\s+\d+\.\d\s+\d+\.\d{3}\s+\d+\.\d{2}",
     "benchmarks/first_step.py": r"^imports\s+\d+\.\d\s+\d+\.\d\s+\d+\.\d{2}$",
     "benchmarks/long_context.py": r"^\s+64 context=2 ring\s+\d+\.\d\s+\d\.\d{3}x\s+\d+\.\d{2}",
+    "benchmarks/moe.py": (r"^\s+8 einsum capacity 1\.25\s+\d+\.\d\s+\d+\.\d{2}x\s+\d+\.\d{4}\s+"
+                          r"\d+\.\d{2}x"),
 }
 
 

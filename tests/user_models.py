@@ -396,3 +396,71 @@ class SharedAttentionDecoder(StackedDecoder):
 class SharedAttentionDecoderTrainer(StackedDecoderTrainer):
   def build_model(self):
     return functools.partial(SharedAttentionDecoder, dropout=self.dropout)
+
+
+# -- A user's NNX decoder whose MLPs are mixtures of experts (expert parallelism) -------------
+
+
+class ExpertBlock(nnx.Module):
+  """Pre-norm causal attention (Flax's own) and dropout, its MLP a mixture of experts
+  (`models.moe.MoeFeedForward`): `(x, router statistics) -> the same`."""
+
+  def __init__(self, embed: int, heads: int, mlp: int, experts: int, dropout: float, *,
+               rngs: nnx.Rngs):
+    init = nnx.initializers.xavier_uniform()
+
+    def project(spec, shape, names):
+      return nnx.Einsum(spec, shape, kernel_init=nnx.with_partitioning(init, names), rngs=rngs)
+
+    head_dim = embed // heads
+    self.norm1, self.norm2 = nnx.LayerNorm(embed, rngs=rngs), nnx.LayerNorm(embed, rngs=rngs)
+    self.query, self.key, self.value = (
+        project("BTD,DNH->BTNH", (embed, heads, head_dim), ("embed", "heads", "kv"))
+        for _ in range(3))
+    self.out = project("BTNH,NHD->BTD", (heads, head_dim, embed), ("heads", "kv", "embed"))
+    self.experts = models.moe.MoeFeedForward(embed, mlp, experts, top_k=2, rngs=rngs)
+    self.dropout = nnx.Dropout(dropout, rngs=rngs)
+
+  def __call__(self, carry):
+    x, stats = carry
+    y = self.norm1(x)
+    mask = nnx.make_causal_mask(jnp.ones(x.shape[:2]))
+    attended = nnx.dot_product_attention(self.query(y), self.key(y), self.value(y), mask=mask)
+    x = x + self.dropout(self.out(attended))
+    out, layer_stats = self.experts(self.norm2(x))
+    return x + self.dropout(out), stats + layer_stats
+
+
+class ExpertDecoder(StackedDecoder):
+  """`StackedDecoder` of `ExpertBlock`s; returns `models.moe.MoeOutput`."""
+
+  def __init__(self, vocab: int = 32, embed: int = 16, heads: int = 4, mlp: int = 32,
+               layers: int = 2, max_len: int = 16, dropout: float = 0.0, experts: int = 8, *,
+               rngs: nnx.Rngs):
+    super().__init__(vocab, embed, heads, mlp, layers, max_len, dropout, rngs=rngs)
+    self.num_experts = experts
+    self.blocks = models.NnxLayerStack(
+        lambda rngs: ExpertBlock(embed, heads, mlp, experts, dropout, rngs=rngs), layers,
+        rngs=rngs)
+
+  def __call__(self, tokens):
+    x = self.tokens(tokens) + self.positions[: tokens.shape[1]][None]
+    x, stats = self.blocks((x, models.moe.RouterStats.zeros(tokens.shape[0],
+                                                            self.num_experts)))
+    return models.moe.MoeOutput(self.head(self.norm(x)), stats.total())
+
+
+class ExpertDecoderTrainer(StackedDecoderTrainer):
+  """Its own loss: the cross-entropy plus 0.01 x the load-balancing loss."""
+
+  dropout = 0.1
+
+  def build_model(self):
+    return functools.partial(ExpertDecoder, dropout=self.dropout)
+
+  def loss(self, outputs, batch):
+    balance = models.moe.summarize(outputs.router)["load_balance"]
+    return super().loss(outputs.logits, batch) + 0.01 * balance
+
+  def prediction(self, outputs):
+    return jax.nn.softmax(outputs.logits, axis=-1)

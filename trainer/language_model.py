@@ -21,7 +21,8 @@ from trainer.trainer import Batch, Trainer
 
 def language_model(family: str = "transformer", **fields):
   """The module `config.model` describes: `models.TransformerLM(**fields)`, or with
-  `family='gpt2'`, `'llama'`, `'mistral'`, `'qwen2'` or `'qwen3'` the module whose weights are
+  `family='gpt2'`, `'llama'`, `'mistral'`, `'qwen2'`, `'qwen3'`, `'mixtral'` or `'qwen3_moe'`
+  the module whose weights are
   that Hugging Face family's (`trainer.interop.families`;
   `trainer.interop.hf.model_fields(path)` reads a published checkpoint's fields).
 

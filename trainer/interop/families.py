@@ -2,11 +2,13 @@
 
 A `Family` ties an HF `model_type` to the module in `models/` that computes the
 same function, and holds the mapping between the two parameter trees: a list of
-`Rule`s, each an HF tensor name (`{i}` for the layer index of a stacked layer)
+`Rule`s, each an HF tensor name (`{i}` for the layer index of a stacked layer, `{e}`
+for the expert's of a mixture of experts)
 and this model's parameter path, with the layout change between them: each HF
 axis split into the widths `split` gives it (each letter a width of the model:
 `E` embed, `H` heads, `K` key/value heads, `D` head width, `F` MLP width), then
-the axes reordered by `perm`. A stacked rule's layers become the leading `layer` axis.
+the axes reordered by `perm`. A stacked rule's layers become the leading `layer` axis
+(then its experts the `expert` axis).
 The same rules, inverted, write an export.
 """
 
