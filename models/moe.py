@@ -56,15 +56,11 @@ class MoeError(ValueError):
 
 
 class RouterStats(NamedTuple):
-  """Per row, summed over its tokens (and over the layers it has passed):
-
-  Attributes:
-    counts: `[batch, experts]` choices routed to each expert (before any is dropped).
-    probs: `[batch, experts]` the router's softmax probabilities.
-    z: `[batch]` the squared log-sum-exp of the router logits.
-    dropped: `[batch]` choices dropped for capacity.
-    tokens: `[batch]` tokens routed (one per token and layer).
-  """
+  """Per row, summed over its tokens (and over the layers it has passed): `counts [batch,
+  experts]`, the choices routed to each expert (before any is dropped); `probs [batch,
+  experts]`, the router's softmax probabilities; `z [batch]`, the squared log-sum-exp of
+  the router logits; `dropped [batch]`, the choices dropped for capacity; `tokens [batch]`,
+  the tokens routed (one per token and layer)."""
 
   counts: jax.Array
   probs: jax.Array
