@@ -237,13 +237,27 @@ def _combine(y_choices: jax.Array, gates: jax.Array, keep: jax.Array) -> jax.Arr
   return (y_choices * weights).reshape(b, length, k, -1).sum(axis=2)
 
 
+def _sorted_choices(ids: jax.Array, keep: jax.Array, num_experts: int
+                    ) -> tuple[jax.Array, jax.Array]:
+  """The choices `ids [batch, length, k]`, flattened, in order of expert (`order`), and each
+  sorted choice's expert; a dropped choice sorts last, as expert `num_experts`."""
+  key = jnp.where(keep, ids, num_experts).reshape(-1)
+  order = jnp.argsort(key, stable=True)
+  return order, key[order]
+
+
+def _buffer_rows(choices: int, rows: int, local: int, limit: int | None) -> int:
+  """The most choices one device can send another: all of its `choices` (dropless), or each
+  of its `rows`' capacity `limit` for each of that device's `local` experts."""
+  return choices if limit is None else min(choices, rows * local * limit)
+
+
 def _local_experts(x, ids, gates, keep, w_gate, w_up, w_down) -> jax.Array:
   """All experts here: the kept choices sorted by expert, one grouped product each."""
   b, length, d = x.shape
   k, num_experts = ids.shape[-1], w_gate.shape[0]
-  key = jnp.where(keep, ids, num_experts).reshape(-1)  # Dropped: past every expert.
-  order = jnp.argsort(key, stable=True)
-  sizes = jnp.bincount(key, length=num_experts + 1)[:num_experts]
+  order, expert = _sorted_choices(ids, keep, num_experts)
+  sizes = jnp.bincount(expert, length=num_experts + 1)[:num_experts]
   tokens = x.reshape(b * length, d)
   ys = _grouped_swiglu(tokens[order // k], sizes, w_gate, w_up, w_down)
   return _combine(jnp.zeros_like(ys).at[order].set(ys), gates, keep)
@@ -258,12 +272,8 @@ def _exchanged_experts(plan: expert_lib.ExpertPlan, limit: int | None, x, ids, g
   b, length, d = x.shape
   k = ids.shape[-1]
   n = b * length * k
-  # The most choices one device can send another: all of them (dropless), or each of its
-  # rows' capacity for each of that device's experts.
-  slots = n if limit is None else min(n, b * local * limit)
-  key = jnp.where(keep, ids, size * local).reshape(-1)
-  order = jnp.argsort(key, stable=True)
-  expert = key[order]
+  slots = _buffer_rows(n, b, local, limit)
+  order, expert = _sorted_choices(ids, keep, size * local)
   dest = expert // local  # `size` for a dropped choice.
   per_dest = jnp.bincount(dest, length=size + 1)
   starts = jnp.cumsum(per_dest) - per_dest
@@ -312,10 +322,8 @@ def _ragged_exchanged_experts(plan: expert_lib.ExpertPlan, limit: int | None, x,
   b, length, d = x.shape
   k = ids.shape[-1]
   n = b * length * k
-  slots = n if limit is None else min(n, b * local * limit)
-  key = jnp.where(keep, ids, size * local).reshape(-1)
-  order = jnp.argsort(key, stable=True)
-  expert = key[order]
+  slots = _buffer_rows(n, b, local, limit)
+  order, expert = _sorted_choices(ids, keep, size * local)
   sizes = jnp.bincount(expert // local, length=size + 1)[:size].astype(jnp.int32)
   starts = (jnp.cumsum(sizes) - sizes).astype(jnp.int32)
   # [sender, receiver] sizes and starts of every device's sends.
