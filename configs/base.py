@@ -224,6 +224,26 @@ def get_config() -> ml_collections.ConfigDict:
   for name in ("learning_rate", "weight_decay", "momentum", "b1", "grad_clip_norm",
                "warmup_steps", "ema_decay"):
     config.sweep.pbt.ranges[name] = ()
+  # An Optuna study as the sweep's source of configurations (trainer/sweep/study.py): each
+  # ensemble slot is one of the study's concurrent trials, asked from the sampler, pruned
+  # by the pruner at evaluations, and refilled with the next trial until n_trials. On when
+  # `space` names a distribution: (kind, ...) with kind "float" (low, high), "log" (low,
+  # high: log-uniform), "int" (low, high) or "categorical" (values...).
+  config.sweep.study = ml_collections.ConfigDict()
+  config.sweep.study.space = ml_collections.ConfigDict()
+  for name in ("learning_rate", "weight_decay", "momentum", "b1", "grad_clip_norm",
+               "warmup_steps", "ema_decay"):
+    config.sweep.study.space[name] = ()
+  config.sweep.study.n_trials = 32  # Trials in the study, over every run that shares it.
+  config.sweep.study.sampler = "tpe"  # tpe, random, cmaes, gp, qmc (seeded by config.seed).
+  # median, successive_halving, hyperband (Optuna's), halving (sweep.halving's rungs), none.
+  config.sweep.study.pruner = "median"
+  config.sweep.study.startup_trials = 5  # Trials the median pruner waits for.
+  # "": an Optuna journal file in the workdir (<workdir>/study.journal); a path: that
+  # journal file (runs that name one file share the study); or an Optuna database URL
+  # (sqlite:///..., postgresql://..., mysql://...).
+  config.sweep.study.storage = ""
+  config.sweep.study.name = "sweep"
 
   config.strategy = ml_collections.ConfigDict()
   config.strategy.name = "single_device"  # See strategies.available().

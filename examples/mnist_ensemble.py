@@ -136,7 +136,8 @@ def train_and_evaluate(config, workdir: str) -> dict[str, float] | None:
   finally:
     checkpointer.close()
     writer.close()
-  if result.stopped_by is not None:
+  from trainer.sweep import FINISHED
+  if result.stopped_by is not None and result.stopped_by != FINISHED:  # A sweep's end is done.
     logging.info("Stopped by %s at step %d; best eval %s", result.stopped_by, result.step,
                  result.best)
     return None

@@ -197,7 +197,8 @@ def real_mnist_run(doc_runner) -> RealMnistRun:
 #: than two at once on 2 cores.
 LONGEST_FIRST = ("test_doc_commands_mnist.py", "test_doc_commands.py", "test_docs.py",
                  "test_multiprocess.py", "test_research_models.py", "test_ensemble.py",
-                 "test_moe.py", "test_recipe.py", "test_checkpoint.py", "test_equivalence.py")
+                 "test_moe.py", "test_study.py", "test_recipe.py", "test_checkpoint.py",
+                 "test_equivalence.py")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,13 +1,16 @@
 """A sweep with a scheduler and checkpoints, for tests that kill a real process.
 
     python tests/sweep_run.py --workdir=W --scheduler=halving --out=final.npz \
-        [--kill_after_save_at=2]
+        [--kill_after_save_at=2] [--kill_after_choices_at=4] [--storage=PATH]
 
 Trains `FlaxStyleTrainer` (BatchNorm, dropout) on the test images under
 `pmap_ensemble`, resuming from `W/checkpoints` when it holds one, and writes
 the final state (checkpoint layout) to `--out`; the sweep's summary is in
 `W/sweep.json`. `--kill_after_save_at=S` SIGKILLs the process once the
-checkpoint of step S is complete (after that evaluation's choices).
+checkpoint of step S is complete (after that evaluation's choices);
+`--kill_after_choices_at=S` once that evaluation's choices are made, before its
+checkpoint (a restart replays them). `--scheduler=study` asks an Optuna study
+(in W, or the journal file `--storage`, which several runs may share).
 """
 
 import argparse
@@ -24,6 +27,7 @@ import numpy as np  # noqa: E402
 from resume_run import flat  # noqa: E402
 from user_models import FlaxStyleTrainer  # noqa: E402
 
+from trainer import Action  # noqa: E402
 from trainer.checkpoint import Checkpointer  # noqa: E402
 
 SCHEDULERS = {
@@ -33,7 +37,25 @@ SCHEDULERS = {
     "pbt": {"sweep.scheduler": "pbt", "sweep.pbt.ready_steps": 2,
             "sweep.grid.learning_rate": (0.3, 0.1, 0.03, 0.01), "sweep.seeds": (0, 1),
             "ensemble_size": 0},
+    "study": {"strategy.name": "sharded_ensemble", "strategy.ensemble_mesh_shape": (4, 1),
+              "ensemble_size": 4, "optimizer": "sgd",
+              "sweep.study.space.learning_rate": ("log", 0.001, 0.3),
+              "sweep.study.space.momentum": ("float", 0.0, 0.95),
+              "sweep.study.n_trials": 10, "sweep.study.pruner": "halving",
+              "sweep.halving.rungs": (2, 4)},
 }
+
+
+class KillAfterChoices(Action):
+  """Dies by SIGKILL after the sweep's choices at one step (before its checkpoint)."""
+
+  def __init__(self, step):
+    super().__init__(every_steps=2)
+    self.step = step
+
+  def run(self, view):
+    if view.step == self.step:
+      os.kill(os.getpid(), signal.SIGKILL)
 
 
 class KillingCheckpointer(Checkpointer):
@@ -54,6 +76,8 @@ def main():
   parser.add_argument("--scheduler", choices=sorted(SCHEDULERS), required=True)
   parser.add_argument("--out", required=True)
   parser.add_argument("--kill_after_save_at", type=int, default=-1)
+  parser.add_argument("--kill_after_choices_at", type=int, default=-1)
+  parser.add_argument("--storage", default="")
   args = parser.parse_args()
   logging.getLogger().setLevel(logging.INFO)
   for noisy in ("absl", "jax", "orbax"):
@@ -61,6 +85,7 @@ def main():
   config = conftest.cnn_config(**{
       "strategy.name": "pmap_ensemble", "sweep.metric": "nll", "sweep.mode": "min",
       "eval_every_steps": 2, "schedule.warmup_steps": 0, **SCHEDULERS[args.scheduler]})
+  config.sweep.study.storage = args.storage
   trainer = FlaxStyleTrainer(config)
   checkpointer = KillingCheckpointer(os.path.join(args.workdir, "checkpoints"), every_steps=2,
                                      max_to_keep=3)
@@ -69,7 +94,8 @@ def main():
   try:
     result = trainer.fit(lambda start: batches[start:], num_steps=6, checkpointer=checkpointer,
                          workdir=args.workdir,
-                         eval_batches=lambda: conftest.image_batches(2, 16, seed=9))
+                         eval_batches=lambda: conftest.image_batches(2, 16, seed=9),
+                         actions=[KillAfterChoices(args.kill_after_choices_at)])
   finally:
     checkpointer.close()
   np.savez(args.out, **flat(trainer.strategy.checkpoint_state(result.state)))

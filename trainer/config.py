@@ -41,12 +41,13 @@ def check_config(config: ml_collections.ConfigDict) -> None:
   from trainer.step import accumulation, functions, optim, recipe
   from trainer.step.precision import Precision
   from trainer.step.remat import Remat
-  from trainer.sweep import lr_find, schedulers
+  from trainer.sweep import lr_find, schedulers, study
   from trainer.sweep.members import Sweep
 
   RunOptions.from_config(config)
   functions.check_steps_loop(config.steps_loop)
   sweep = Sweep.from_config(config)
+  study.check_config(config)
   schedulers.check_config(config, sweep)
   lr_find.check_config(config, sweep)
   optim.check_config(config, swept=sweep is not None)
@@ -85,7 +86,7 @@ def unknown_override(config: ml_collections.ConfigDict, argv: Sequence[str],
         node = node[part]
         continue
       parent = ".".join([flag, *parts[:depth]])
-      if ".".join(parts[:depth]) == "sweep.grid":
+      if ".".join(parts[:depth]) in ("sweep.grid", "sweep.study.space"):
         from trainer.sweep.members import NOT_SWEPT, SWEPT
         return OverrideError(
             f"{prefix}{path}: {part!r} cannot be swept; the names a sweep can vary are "

@@ -16,7 +16,10 @@ the single-model run with its hyperparameters and that seed.
   state (`swept_optimizer`, `place_hyperparameters`);
 - `schedulers`: sweeps that choose (`config.sweep.scheduler`): successive
   halving with slot reuse (`Halving`) and population-based training
-  (`PopulationBased`), decided from each evaluation; `select`: their decisions
+  (`PopulationBased`), decided from each evaluation; `study`: an Optuna study
+  as the source of configurations (`config.sweep.study`: `StudyScheduler`, its
+  slots the study's concurrent trials, asked, pruned and refilled in the one
+  program); `select`: their decisions
   applied to the stacked state (`Selection`); `lr_find`: a learning-rate range
   test (`config.sweep.lr_find`: `LrFind`, `suggest`, `lr_find_config`);
 - `report`: what a sweep reports and leaves behind (`SweepReport`, `summarize`,
@@ -30,6 +33,7 @@ read while an entry point parses its flags.
 from trainer import _lazy
 
 _EXPORTS = {
+    "FINISHED": "trainer.sweep.report",
     "Halving": "trainer.sweep.schedulers",
     "INJECTED": "trainer.sweep.optimizer",
     "LrFind": "trainer.sweep.lr_find",
@@ -39,6 +43,8 @@ _EXPORTS = {
     "SCHEDULERS": "trainer.sweep.schedulers",
     "Scheduler": "trainer.sweep.schedulers",
     "Selection": "trainer.sweep.select",
+    "StudyScheduler": "trainer.sweep.study",
+    "StudySweep": "trainer.sweep.members",
     "Sweep": "trainer.sweep.members",
     "SweepReport": "trainer.sweep.report",
     "actions": "trainer.sweep.report",

@@ -53,6 +53,10 @@ class Sweep:
   def __len__(self) -> int:
     return len(self.members)
 
+  def values(self, i: int) -> Mapping[str, float]:
+    """Configuration i's hyperparameters and seed."""
+    return self.members[i]
+
   def label(self, i: int) -> str:
     """`learning_rate=0.1,seed=1`: member i by the values that vary."""
     return ",".join(f"{name}={_fmt(self.members[i][name])}" for name in self.varied)
@@ -84,6 +88,8 @@ class Sweep:
       out.sweep.grid[name] = ()
     out.sweep.points, out.sweep.seeds, out.sweep.scheduler = (), (), ""
     out.sweep.lr_find = False
+    for name in out.sweep.study.space:
+      out.sweep.study.space[name] = ()
     return out
 
   @classmethod
@@ -95,6 +101,8 @@ class Sweep:
         and `points` are given, or a value is out of range.
     """
     s = config.sweep
+    if any(len(s.study.space[n]) for n in s.study.space):
+      return StudySweep.from_study_config(config)
     grid = {name: tuple(s.grid[name]) for name in SWEPT if len(s.grid[name])}
     points = [dict(p) for p in s.points]
     seeds = tuple(int(x) for x in s.seeds) or (config.seed,)
@@ -117,7 +125,7 @@ class Sweep:
     points = points or [{}]
     members = tuple({**base, **p, "seed": seed} for p in points for seed in seeds)
     for m in members:
-      _check_member(m)
+      check_member(m)
     if (grid.get("ema_decay") or any("ema_decay" in p for p in points)) and min(
         m["ema_decay"] for m in members) <= 0:
       raise ValueError("config.sweep sweeps ema_decay with a value of 0; every swept decay "
@@ -127,6 +135,60 @@ class Sweep:
     if len(seeds) > 1:
       varied += ("seed",)
     return cls(members, varied, scheduler=s.scheduler)
+
+
+@dataclasses.dataclass(frozen=True)
+class StudySweep(Sweep):
+  """The configurations an Optuna study gives (`trainer.sweep.study`): trial n's values
+  are known once it is asked (`add`). `members` holds `n_trials` copies of the config's
+  own values (what the slots hold before their first trial); every trial starts from
+  `config.seed`.
+  """
+
+  #: Trial number -> its hyperparameters and seed, as they are asked.
+  asked: dict[int, dict[str, float]] = dataclasses.field(default_factory=dict)
+  #: Name -> the values that bound its distribution (low and high, or the categories).
+  bounds: Mapping[str, tuple[float, ...]] = dataclasses.field(default_factory=dict)
+
+  @property
+  def base(self) -> Mapping[str, float]:
+    return self.members[0]
+
+  def add(self, number: int, params: Mapping[str, Any]) -> None:
+    """Records trial `number`'s values (the base with the study's `params`)."""
+    row = dict(self.base)
+    for name, value in params.items():
+      row[name] = float(value)
+    self.asked[int(number)] = row
+
+  def values(self, i: int) -> Mapping[str, float]:
+    return self.asked[i]
+
+  def label(self, i: int) -> str:
+    return f"trial={i}"
+
+  def column(self, name: str) -> np.ndarray:
+    """The values `name` can take: its bounds (or categories), else the config's value (what
+    the optimizer must be able to hold: a clip, a decay, a momentum)."""
+    return np.asarray(self.bounds.get(name, (self.base[name],)), dtype=float)
+
+  def member_config(self, config: ml_collections.ConfigDict, i: int,
+                    values: Mapping[str, float] | None = None) -> ml_collections.ConfigDict:
+    return Sweep.member_config(self, config, 0, self.asked[i] if values is None else values)
+
+  @classmethod
+  def from_study_config(cls, config: ml_collections.ConfigDict) -> StudySweep:
+    s = config.sweep
+    base = {**{name: _config_value(config, field) for name, field in SWEPT.items()},
+            "seed": config.seed}
+    n = max(int(s.study.n_trials), 1) if isinstance(s.study.n_trials, int) else 1
+    varied = tuple(name for name in SWEPT if len(s.study.space[name]))
+    bounds = {name: tuple(float(v) for v in tuple(s.study.space[name])[1:]) for name in varied}
+    return cls((base,) * n, varied, scheduler="study", bounds=bounds)
+
+
+#: Schedulers whose slots take configurations in turn (more configurations than slots).
+REFILLING = ("halving", "study")
 
 
 def strategy_for(config: ml_collections.ConfigDict, sweep: Sweep | None,
@@ -167,13 +229,16 @@ def fit_strategy(sweep: Sweep, strategy: Any) -> None:
         f"one model; sweeps train as ensembles: set config.strategy.name to "
         f"'sharded_ensemble' (any member count that divides over its 'ensemble' mesh axis) "
         f"or 'pmap_ensemble' (one member per local device).")
-  if sweep.scheduler == "halving":  # Slots take the configurations in turn.
+  if sweep.scheduler in REFILLING:  # Slots take the configurations in turn.
     if strategy.num_members > len(sweep):
+      what = ("config.sweep.study.n_trials is" if sweep.scheduler == "study"
+              else "config.sweep describes")
       raise ValueError(
-          f"config.sweep describes {len(sweep)} configurations but the strategy "
+          f"{what} {len(sweep)} configurations but the strategy "
           f"{strategy.name!r} holds {strategy.num_members} slots "
           f"(config.ensemble_size={strategy.num_members}); successive halving fills each "
-          f"slot with a configuration: set config.ensemble_size to at most {len(sweep)} "
+          f"slot with a configuration (a study's trial): set config.ensemble_size to at most "
+          f"{len(sweep)} "
           f"(0 takes the sweep's count).")
   elif strategy.num_members != len(sweep):
     raise ValueError(
@@ -192,14 +257,15 @@ def _fmt(value: float) -> str:
   return f"{value:g}" if isinstance(value, float) else str(value)
 
 
-def _check_member(m: Mapping[str, float]) -> None:
+def check_member(m: Mapping[str, float]) -> None:
+  """Raises unless each of `m`'s swept values is in its name's range."""
   checks = {"learning_rate": lambda v: v > 0, "weight_decay": lambda v: v >= 0,
             "momentum": lambda v: 0 <= v < 1, "b1": lambda v: 0 <= v < 1,
             "grad_clip_norm": lambda v: v >= 0,
             "warmup_steps": lambda v: float(v).is_integer() and v >= 0,
             "ema_decay": lambda v: 0 <= v < 1}
   for name, ok in checks.items():
-    if not ok(m[name]):
+    if name in m and not ok(m[name]):
       raise ValueError(f"config.sweep value {name}={m[name]!r} is out of range (learning_rate "
                        f"> 0; weight_decay, grad_clip_norm >= 0; momentum, b1, ema_decay in "
                        f"[0, 1); warmup_steps an integer >= 0).")

@@ -25,7 +25,7 @@ from trainer.step.optim import (
   default_decay_mask,
   param_groups,
 )
-from trainer.sweep.members import Sweep
+from trainer.sweep.members import REFILLING, Sweep
 
 PyTree = Any
 
@@ -113,7 +113,7 @@ def swept_optimizer(config: ml_collections.ConfigDict, sweep: Sweep,
 
   base = sweep.members[0]
   # A scheduler that freezes slots (halving) keeps a per-slot `active` flag beside them.
-  frozen = {"active": 1.0} if sweep.scheduler == "halving" else {}
+  frozen = {"active": 1.0} if sweep.scheduler in REFILLING else {}
   return optax.inject_hyperparams(chain)(
       learning_rate=base["learning_rate"], warmup_steps=base["warmup_steps"],
       weight_decay=base["weight_decay"], momentum_value=base["momentum"], b1=base["b1"],

@@ -34,6 +34,9 @@ if TYPE_CHECKING:  # Only annotations: clu's writers import TensorFlow (seconds)
 Batch = Mapping[str, Any]
 PyTree = Any
 
+#: `FitResult.stopped_by` of a sweep that ended because no trial is left: its work is done.
+FINISHED = "sweep finished: every configuration stopped or completed its steps"
+
 
 class SweepReport(Action):
   """A sweep's results and choices: each slot's eval metrics under its configuration's
@@ -70,13 +73,15 @@ class SweepReport(Action):
     self.results: list[dict[str, float]] | None = None
     self._last: int | None = None
 
-  def begin(self, view: StepView) -> None:
+  def begin(self, view: StepView) -> Produced | None:
     scheduler = self.selection.scheduler  # `fit(num_steps)` is each trial's length.
     scheduler.set_budget(view.num_steps // scheduler.rounds)
     if scheduler.name == "halving" and any(r >= scheduler.budget for r in scheduler.rungs):
       raise ValueError(
           f"config.sweep.halving.rungs={scheduler.rungs}: a trial trains "
           f"{scheduler.budget} steps (fit's num_steps), so every rung must be below that.")
+    state = self.selection.start(view.state, view.step)  # A study asks its first trials.
+    return None if state is view.state else Produced(state=state)
 
   def triggers(self, view: StepView) -> bool:
     """At each evaluation, and where a trial ends its budget (under a scheduler)."""
@@ -105,8 +110,7 @@ class SweepReport(Action):
     return Produced(eval_seconds=time.perf_counter() - start,
                     best=(view.step, results[best][self.metric_name()]),
                     state=None if state is view.state else state,
-                    stop=("sweep finished: every configuration stopped or completed its steps"
-                          if finished else None))
+                    stop=FINISHED if finished else None)
 
   def metric_name(self) -> str:
     if self.metric and self.metric not in self.results[0]:
@@ -129,6 +133,7 @@ class SweepReport(Action):
       produced = self.run(dataclasses.replace(view, num_steps=view.step))  # The last one.
     if self.results is not None:
       self.summarize(view.state, view.step, self.results, self.best())
+    self.selection.scheduler.finish(view.step)
     return produced
 
   def state_dict(self) -> dict[str, Any] | None:
@@ -146,6 +151,11 @@ def summary_rows(sweep: Sweep, results: Sequence[Mapping[str, float]],
   rows = []
   for i, r in enumerate(results):
     record = scheduler.last_record(i) if scheduler is not None else None
+    if record is None and scheduler is not None and scheduler.name == "study":
+      # A slot the study never filled (other runs on it took the trials).
+      rows.append({"member": i, "trial": None, "label": "(no trial)",
+                   **{n: sweep.base[n] for n in sweep.varied}, **dict(r)})
+      continue
     trial = i if record is None else record["trial"]
     values = sweep.members[i] if record is None else record["values"]
     rows.append({"member": i, "trial": trial, "label": sweep.label(trial),
@@ -293,10 +303,14 @@ def summarize(state: PyTree, step: int, results: list[dict[str, float]], best: i
   rows = summary_rows(sweep, results, scheduler)
   names = list(results[0])
   metric = config.sweep.metric or names[0]
-  slot, trial, values, age = best, rows[best]["trial"], None, None
+  record = scheduler.best_trial() if scheduler.name else None
+  if scheduler.name == "study" and record is None:  # No trial of this run completed.
+    logging.info("Sweep at step %d: no trial of this run completed.", step)
+    _write_summary(workdir, step, metric, config, scheduler, None, rows)
+    return
+  slot, trial, values, age = best, rows[best]["trial"], None, None  # The grid's.
   best_row = rows[best]
   if scheduler.name:
-    record = scheduler.best_trial()
     slot = record["slot"] if scheduler.last_record(record["slot"]) is record else None
     trial, values = record["trial"], record["values"]
     age = (record["end"] if record["end"] is not None else step) - record["start"]
@@ -305,22 +319,43 @@ def summarize(state: PyTree, step: int, results: list[dict[str, float]], best: i
   logging.info("Sweep at step %d, best %s (%s):\n%s", step,
                f"member {slot}" if slot is not None else f"trial {trial}", sweep.label(trial),
                format_table(rows, ["label", *names]))
-  if not workdir or jax.process_index() > 0:
+  if not _write_summary(workdir, step, metric, config, scheduler, best_row, rows):
     return
-  os.makedirs(workdir, exist_ok=True)
-  with open(os.path.join(workdir, "sweep.json"), "w") as f:
-    json.dump({"step": step, "metric": metric, "mode": config.sweep.mode,
-               "scheduler": scheduler.name, "budget": scheduler.budget,
-               "model_steps": scheduler.model_steps(step), "best": best_row, "members": rows,
-               "trials": scheduler.trials, "events": scheduler.events,
-               "lineage": getattr(scheduler, "lineage", [])}, f, indent=1)
-  plot(rows, sweep.varied, metric, best, os.path.join(workdir, "sweep.png"))
+  plot_rows, plot_best = rows, best
+  if scheduler.name == "study":  # Every trial, at its last evaluation.
+    plot_rows = [{"trial": r["trial"], **r["values"], metric: r["curve"][-1][2]}
+                 for r in scheduler.trials if r["curve"]]
+    plot_best = next(i for i, r in enumerate(plot_rows) if r["trial"] == trial)
+  plot(plot_rows, sweep.varied, metric, plot_best, os.path.join(workdir, "sweep.png"))
   plot_curves(scheduler, metric, os.path.join(workdir, "sweep_curves.png"))
+  if record is not None and not scheduler.should_export(record):
+    logging.info("Sweep: trial %d is this run's best, not the study's; not exported.", trial)
+    return
   if slot is not None:
     export(state, slot, os.path.join(workdir, "sweep_best"), step=age, trial=trial,
            values=values)
+    scheduler.on_export(trial, os.path.join(workdir, "sweep_best"))
   with open(os.path.join(workdir, "sweep_best_config.json"), "w") as f:
     f.write(sweep.member_config(config, trial, values).to_json(indent=1))
+
+
+def _write_summary(workdir: str | None, step: int, metric: str,
+                   config: ml_collections.ConfigDict, scheduler: Scheduler,
+                   best_row: Mapping[str, Any] | None, rows: list[dict[str, Any]]) -> bool:
+  """Writes `sweep.json` (process 0, with a workdir); False where nothing is written."""
+  if not workdir or jax.process_index() > 0:
+    return False
+  os.makedirs(workdir, exist_ok=True)
+  summary = {"step": step, "metric": metric, "mode": config.sweep.mode,
+             "scheduler": scheduler.name, "budget": scheduler.budget,
+             "model_steps": scheduler.model_steps(step), "best": best_row, "members": rows,
+             "trials": scheduler.trials, "events": scheduler.events,
+             "lineage": getattr(scheduler, "lineage", [])}
+  if (study := scheduler.summary()) is not None:
+    summary["study"] = study
+  with open(os.path.join(workdir, "sweep.json"), "w") as f:
+    json.dump(summary, f, indent=1)
+  return True
 
 
 def actions(sweep: Sweep, config: ml_collections.ConfigDict, *, strategy: Any,
@@ -353,7 +388,11 @@ def actions(sweep: Sweep, config: ml_collections.ConfigDict, *, strategy: Any,
     return found
   export = functools.partial(export_member, sweep=sweep, config=config, strategy=strategy,
                              num_train_steps=num_train_steps, labels=labels)
-  scheduler = schedulers.create(config, sweep, slots=strategy.num_members, budget=0)
+  if sweep.scheduler == "study":  # Opens (or creates) the study: its storage is checked here.
+    from trainer.sweep import study
+    scheduler = study.create(config, sweep, slots=strategy.num_members, workdir=workdir)
+  else:
+    scheduler = schedulers.create(config, sweep, slots=strategy.num_members, budget=0)
   selection = Selection(scheduler, init_members=init_members, export=export, workdir=workdir)
   return found + [SweepReport(writer, evaluate_members, eval_batches, selection=selection,
                       every_steps=config.eval_every_steps, metric=config.sweep.metric,

@@ -33,7 +33,7 @@ from typing import Any
 import ml_collections
 import numpy as np
 
-from trainer.sweep.members import SWEPT, Sweep
+from trainer.sweep.members import REFILLING, SWEPT, Sweep
 
 #: `config.sweep.scheduler` values: '' trains every member to the end (a grid).
 SCHEDULERS = ("", "halving", "pbt")
@@ -108,14 +108,43 @@ class Scheduler:
     #: Each slot's hyperparameters now.
     self.values: list[dict[str, float]] = [dict(sweep.members[i]) for i in range(slots)]
     #: One record per trial that has held a slot, in the order they started.
-    self.trials: list[dict[str, Any]] = [self._record(i, i, 0) for i in range(slots)]
+    self.trials: list[dict[str, Any]] = self._first_records()
     #: Every stop, refill, copy and freeze: `{step, event, slot, ...}`.
     self.events: list[dict[str, Any]] = []
+
+  def _first_records(self) -> list[dict[str, Any]]:
+    """Configuration i in slot i from step 0 (a study asks its first trials at `start`)."""
+    return [self._record(i, i, 0) for i in range(self.num_slots)]
 
   def _record(self, trial: int, slot: int, step: int) -> dict[str, Any]:
     return {"trial": trial, "label": self.sweep.label(trial), "slot": slot, "start": step,
             "end": None, "status": "running", "values": dict(self.sweep.members[trial]),
             "curve": []}
+
+  def seed_of(self, trial: int) -> int:
+    """The seed configuration `trial` starts from."""
+    return int(self.sweep.members[trial]["seed"])
+
+  def first_trials(self, step: int) -> bool:
+    """Before the run's first call: True when the slots' values changed (a study asks its
+    first trials here); the grid's and the schedulers' are in the state from its init."""
+    del step
+    return False
+
+  def should_export(self, record: Mapping[str, Any]) -> bool:
+    """Whether the best trial's record is exported at the end (a study's: only its best)."""
+    del record
+    return True
+
+  def on_export(self, trial: int, directory: str) -> None:
+    """Called once `trial` is exported to `directory`."""
+
+  def finish(self, step: int) -> None:
+    """After the run's summary."""
+
+  def summary(self) -> dict[str, Any] | None:
+    """What `sweep.json` records besides the trials (a study's name, states, best)."""
+    return None
 
   def current(self, slot: int) -> dict[str, Any] | None:
     """The record of the trial running in `slot` (None: frozen)."""
@@ -393,7 +422,7 @@ def program_steps(sweep: Sweep | None, strategy: Any, num_steps: int) -> int:
   successive halving with fewer slots than configurations the most it can take,
   `ceil(configurations / slots) * num_steps` (the run ends when every trial has stopped
   or completed, usually well before)."""
-  if sweep is None or sweep.scheduler != "halving":
+  if sweep is None or sweep.scheduler not in REFILLING:
     return num_steps
   return -(-len(sweep) // strategy.num_members) * num_steps
 

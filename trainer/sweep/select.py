@@ -73,6 +73,16 @@ class Selection:
   def labels(self) -> list[str | None]:
     return self.scheduler.labels()
 
+  def start(self, state: PyTree, step: int) -> PyTree:
+    """The state with the slots' first trials' values, where the scheduler chooses them
+    when the run begins (a study); else `state` itself."""
+    s = self.scheduler
+    if not s.first_trials(step):
+      return state
+    for event in (e for e in s.events if e.get("step") == step):
+      logging.info("Sweep step %d: %s", step, _describe(event))
+    return place_rows(state, s.values, active=[t is not None for t in s.slots])
+
   def choose(self, state: PyTree, step: int, values: Sequence[float], *,
              last: bool) -> tuple[PyTree, Decision]:
     """The state after the scheduler's decision at an evaluation of `step`."""
@@ -91,6 +101,7 @@ class Selection:
                    and r["status"] == "completed")
       self.export(state, slot, f"{self.workdir}/sweep_best", step=ended["end"] - ended["start"],
                   trial=trial, values=ended["values"])
+      s.on_export(trial, f"{self.workdir}/sweep_best")
     num = s.num_slots
     src = np.arange(num)
     for child, parent in decision.copy.items():
@@ -98,7 +109,9 @@ class Selection:
     take_fresh = np.zeros(num, bool)
     fresh = state
     if decision.refill:
-      seeds = [int(s.sweep.members[decision.refill.get(i, 0)]["seed"]) for i in range(num)]
+      other = s.seed_of(next(iter(decision.refill.values())))  # Unused: those keep theirs.
+      seeds = [s.seed_of(decision.refill[i]) if i in decision.refill else other
+               for i in range(num)]
       fresh = _placed_like(self.init_members(seeds), state)
       take_fresh[list(decision.refill)] = True
     if decision.refill or decision.copy:
@@ -110,12 +123,18 @@ class Selection:
 def _describe(event: dict[str, Any]) -> str:
   kind = event["event"]
   if kind == "stopped":
-    return (f"slot {event['slot']} stops {event['label']} (rank {event['rank']} of "
-            f"{event['of']} at rung {event['rung']})")
+    if "rank" in event:
+      return (f"slot {event['slot']} stops {event['label']} (rank {event['rank']} of "
+              f"{event['of']} at rung {event['rung']})")
+    why = (f"pruned by {event['pruner']} at step {event['age']} of its own" if "pruner" in event
+           else event.get("why", "ended before a restart"))
+    return f"slot {event['slot']} stops {event['label']} ({why})"
   if kind == "completed":
     return f"slot {event['slot']}: {event['label']} completed its steps"
   if kind == "refill":
     return f"slot {event['slot']} starts {event['label']}"
+  if kind == "failed":
+    return f"slot {event['slot']}: {event['label']} failed"
   if kind == "freeze":
     return f"slot {event['slot']} frozen: no configuration left to try"
   return (f"slot {event['child']} copies slot {event['parent']} "
