@@ -80,14 +80,25 @@ FEW_STEPS = {
     "benchmarks/first_step.py": ["--programs", "imports"],
     "benchmarks/long_context.py": ["--seqs", "64", "--contexts", "2", "--methods", "ring",
                                    "--rounds", "1", "--block-seconds", "0"],
+    # Optuna's loop and the study in one program, 2 trials of 4 steps on 512 images.
+    "benchmarks/study.py": ["--trials", "2", "--slots", "2", "--steps", "4", "--eval-every", "2",
+                            "--steps-per-call", "2", "--runs", "optimize,program",
+                            "--keep-cache", "--config.data.train_split=train[:512]"],
     "benchmarks/moe.py": ["--experts", "8", "--seq", "16", "--batch", "2", "--embed", "32",
                           "--expert-width", "32", "--rounds", "1", "--block-seconds", "0"],
 }
+
+#: Flags appended after the script's few-step ones to a command that runs one of these
+#: configs: a study of 8 trials (one round of its 8 slots) instead of 32.
+FEW_STEPS_FOR_CONFIG = {"configs/mnist_study.py": ["--config.sweep.study.n_trials=8"]}
 
 #: Documented paths that another documented command makes: before a command that reads one
 #: runs, the command that makes it runs (with its few-step flags) unless it already has.
 MADE_BY = {
     "/tmp/finetune": ".venv/bin/python examples/finetune_lm.py --workdir=/tmp/finetune",
+    "/tmp/mnist_study": (".venv/bin/python examples/mnist_ensemble.py "
+                         "--config=configs/mnist_study.py --workdir=/tmp/mnist_study "
+                         "--config.data.manual_dir=../shared/data/mnist"),
 }
 
 #: What a script's standard output shows when it did its job.
@@ -115,6 +126,7 @@ EXPECTED_OUTPUT = {
     "benchmarks/hf_load.py": r"^fsdp \(8 devices\)\s+\d+\.\d\s+\d+\.\d{3}\s+\d+\.\d{2}",
     "benchmarks/first_step.py": r"^imports\s+\d+\.\d\s+\d+\.\d\s+\d+\.\d{2}$",
     "benchmarks/long_context.py": r"^\s+64 context=2 ring\s+\d+\.\d\s+\d\.\d{3}x\s+\d+\.\d{2}",
+    "benchmarks/study.py": r"^program / optimize: wall \d+\.\d{2}x, model-steps \d+\.\d{2}x",
     "benchmarks/moe.py": (r"^\s+8 einsum capacity 1\.25\s+\d+\.\d\s+\d+\.\d{2}x\s+\d+\.\d{4}\s+"
                           r"\d+\.\d{2}x"),
 }
@@ -186,7 +198,11 @@ class Runner:
       name = program.removeprefix(".venv/bin/")
       program = sys.executable if name == "python" else str(BIN / name)
     script = script_of(command)
-    return [program, *args, *(FEW_STEPS.get(script, []) if extra is None else extra)]
+    if extra is None:
+      extra = FEW_STEPS.get(script, []) + [
+          flag for config, flags in FEW_STEPS_FOR_CONFIG.items()
+          if f"--config={config}" in args for flag in flags]
+    return [program, *args, *extra]
 
   def env(self) -> dict[str, str]:
     env = dict(os.environ)
@@ -212,8 +228,9 @@ class Runner:
 
 def reads_real_mnist(command: str) -> bool:
   """MNIST commands read the data the first command prepared; TensorBoard reads its logs."""
-  return (script_of(command) in ("examples/mnist_ensemble.py", "benchmarks/sweep_schedulers.py")
-          or last_step(command).startswith(".venv/bin/tensorboard"))
+  return (script_of(command) in ("examples/mnist_ensemble.py", "benchmarks/sweep_schedulers.py",
+                                 "benchmarks/study.py")
+          or last_step(command).startswith((".venv/bin/tensorboard", ".venv/bin/optuna-dashboard")))
 
 
 def runnable() -> list[str]:
@@ -228,16 +245,19 @@ def command_id(command: str) -> str:
 
 def run_and_check(command: str, runner: Runner) -> None:
   """Runs a documented command with few steps (or serves TensorBoard) and checks its output."""
+  for path, maker in MADE_BY.items():
+    reads = re.search(rf"[=\s]({re.escape(path)})(/|\s|$)", command)
+    if reads and maker != command and not runner.path(path).exists():
+      check(maker, runner.run(maker))
   if script_of(command):
     script = script_of(command)
     assert script in FEW_STEPS, f"no few-step flags for {script} in doc_commands.py"
-    for path, maker in MADE_BY.items():
-      reads = re.search(rf"=({re.escape(path)})(/|\s|$)", command)
-      if reads and maker != command and not runner.path(path).exists():
-        check(maker, runner.run(maker))
     result = runner.run(command)
   elif last_step(command).startswith(".venv/bin/tensorboard"):
     _serves_the_logged_scalars(command, runner)
+    return
+  elif last_step(command).startswith(".venv/bin/optuna-dashboard"):
+    _serves_the_study(command, runner)
     return
   else:
     pytest.fail(f"documented command {command!r} has no runner in tests/doc_commands.py")
@@ -263,6 +283,38 @@ def check(command: str, result: subprocess.CompletedProcess) -> None:
     info = r"^\[process {}\] I\d{{4}} [\d:.]+ +\d+ \S+\.py:\d+\]"
     assert re.search(info.format(0), result.stdout, flags=re.M), output[-3000:]
     assert not re.search(info.format(1), result.stdout, flags=re.M), output[-3000:]
+
+
+def _serves_the_study(command, runner):
+  """Starts the documented optuna-dashboard on a free loopback port and reads the study's
+  trials through its API."""
+  import socket
+  with socket.socket() as probe:
+    probe.bind(("127.0.0.1", 0))
+    port = probe.getsockname()[1]
+  server = runner.popen(command, extra=["--host", "127.0.0.1", "--port", str(port)])
+  try:
+    deadline, studies = time.monotonic() + 120, None
+    while studies is None and time.monotonic() < deadline:
+      assert server.poll() is None, server.stdout.read()[-3000:]
+      try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/studies",
+                                    timeout=10) as response:
+          studies = json.load(response)["study_summaries"]
+      except OSError:
+        time.sleep(0.5)
+    assert studies, "optuna-dashboard did not answer within 120 s"
+    (study,) = [s for s in studies if s["study_name"] == "sweep"]
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/studies/{study['study_id']}",
+                                timeout=30) as response:
+      trials = json.load(response)["trials"]
+    few = int(FEW_STEPS_FOR_CONFIG["configs/mnist_study.py"][0].split("=")[1])
+    assert len(trials) == few and all(t["intermediate_values"] for t in trials), trials[:2]
+    assert {p["name"] for t in trials for p in t["params"]} == {
+        "learning_rate", "momentum", "weight_decay"}
+  finally:
+    server.terminate()
+    server.wait(timeout=30)
 
 
 def _serves_the_logged_scalars(command, runner):
