@@ -80,10 +80,11 @@ FEW_STEPS = {
     "benchmarks/first_step.py": ["--programs", "imports"],
     "benchmarks/long_context.py": ["--seqs", "64", "--contexts", "2", "--methods", "ring",
                                    "--rounds", "1", "--block-seconds", "0"],
-    # Optuna's loop and the study in one program, 2 trials of 4 steps on 512 images.
-    "benchmarks/study.py": ["--trials", "2", "--slots", "2", "--steps", "4", "--eval-every", "2",
+    # Optuna's loop and the study in one program: one trial of 2 steps, in one slot.
+    "benchmarks/study.py": ["--trials", "1", "--slots", "1", "--steps", "2", "--eval-every", "2",
                             "--steps-per-call", "2", "--runs", "optimize,program",
-                            "--keep-cache", "--config.data.train_split=train[:512]"],
+                            "--keep-cache", "--config.data.train_split=train[:512]",
+                            "--config.data.eval_split=test[:200]"],
     "benchmarks/moe.py": ["--experts", "8", "--seq", "16", "--batch", "2", "--embed", "32",
                           "--expert-width", "32", "--rounds", "1", "--block-seconds", "0"],
 }

@@ -246,6 +246,7 @@ def test_a_restarted_sampler_asks_what_the_uninterrupted_one_asked():
     ({"sweep.study.space.learning_rate": ("log", 1e-3, 0.1),
       "sweep.grid.learning_rate": (0.1, 0.2)}, r"cannot be combined with \['sweep.grid.learning"),
     ({"sweep.study.space.warmup_steps": ("float", 0.0, 10.0)}, r"use \('int', low, high\)"),
+    ({"sweep.study.space.b1": ("categorical", "high")}, r"at least one number"),
 ])
 def test_a_study_that_cannot_work_is_refused_naming_the_field(overrides, message):
   with pytest.raises(ValueError, match=message):

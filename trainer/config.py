@@ -46,8 +46,8 @@ def check_config(config: ml_collections.ConfigDict) -> None:
 
   RunOptions.from_config(config)
   functions.check_steps_loop(config.steps_loop)
+  study.check_config(config)  # Before the sweep reads the study's space.
   sweep = Sweep.from_config(config)
-  study.check_config(config)
   schedulers.check_config(config, sweep)
   lr_find.check_config(config, sweep)
   optim.check_config(config, swept=sweep is not None)

@@ -92,8 +92,9 @@ def check_space(config: ml_collections.ConfigDict) -> dict[str, tuple]:
                        f"('log', 1e-4, 0.1), ('float', 0.0, 0.99), ('int', 0, 500), "
                        f"('categorical', 0.9, 0.99)).")
     if kind == "categorical":
-      if not args:
-        raise ValueError(f"{field}: a categorical distribution needs at least one value.")
+      if not args or not all(isinstance(a, (int, float)) for a in args):
+        raise ValueError(f"{field}: a categorical distribution is ('categorical', value, "
+                         f"...) with at least one number.")
       values = args
     else:
       if len(args) != 2 or not all(isinstance(a, (int, float)) for a in args):
@@ -554,9 +555,9 @@ class StudyScheduler(Scheduler):
     import optuna
     running, _ = self._report_all(step, values)
     for slot, record, before in running:
-      if before.state != optuna.trial.TrialState.RUNNING:
-        self._end(record, step, before.state.name.lower().replace("pruned", "stopped"), slot,
-                  replayed=True)
+      if before.state != optuna.trial.TrialState.RUNNING:  # Ended there before a restart.
+        status = {"PRUNED": "stopped", "COMPLETE": "completed"}.get(before.state.name, "failed")
+        self._end(record, step, status, slot, replayed=True)
       elif step - self.start[slot] >= self.budget:
         self.study.tell(record["trial"], float(values[slot]))
         self._end(record, step, "completed", slot)
@@ -595,7 +596,7 @@ class StudyScheduler(Scheduler):
         self.study.tell(t.number, state=optuna.trial.TrialState.FAIL)
         for record in self.trials:
           if record["trial"] == t.number and record["status"] == "running":
-            record["end"], record["status"] = step, "failed"
+            self._end(record, step, "failed", record["slot"], why="the run ended first")
 
   def summary(self) -> dict[str, Any]:
     """What `sweep.json` records of the study."""
