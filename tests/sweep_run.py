@@ -47,14 +47,16 @@ SCHEDULERS = {
 
 
 class KillAfterChoices(Action):
-  """Dies by SIGKILL after the sweep's choices at one step (before its checkpoint)."""
+  """Dies by SIGKILL after the sweep's choices at one step (before its checkpoint), once
+  the checkpoints before it are complete (so the restart resumes from the last of them)."""
 
-  def __init__(self, step):
+  def __init__(self, step, checkpointer):
     super().__init__(every_steps=2)
-    self.step = step
+    self.step, self.checkpointer = step, checkpointer
 
   def run(self, view):
     if view.step == self.step:
+      self.checkpointer.wait()
       os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -95,7 +97,7 @@ def main():
     result = trainer.fit(lambda start: batches[start:], num_steps=6, checkpointer=checkpointer,
                          workdir=args.workdir,
                          eval_batches=lambda: conftest.image_batches(2, 16, seed=9),
-                         actions=[KillAfterChoices(args.kill_after_choices_at)])
+                         actions=[KillAfterChoices(args.kill_after_choices_at, checkpointer)])
   finally:
     checkpointer.close()
   np.savez(args.out, **flat(trainer.strategy.checkpoint_state(result.state)))

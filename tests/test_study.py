@@ -230,6 +230,31 @@ def test_a_restarted_sampler_asks_what_the_uninterrupted_one_asked():
   assert other.ask(space).params != straight[0]  # The seed matters.
 
 
+@pytest.mark.parametrize("name, prunes", [("median", True), ("successive_halving", True),
+                                           ("hyperband", None), ("halving", True),
+                                           ("none", False)])
+def test_each_pruner_judges_a_trial_by_its_own_steps(name, prunes):
+  # Trials of 6 steps reporting every 2 (the first rung); 4 good ones ran to the end.
+  config = cnn_config(**{**STUDY, "sweep.study.pruner": name, "sweep.halving.rungs": (),
+                         "sweep.study.startup_trials": 2, "sweep.halving.reduction_factor": 2})
+  pruner = study_lib.make_pruner(config, budget=6)
+  study = optuna.create_study(direction="minimize", pruner=pruner)
+  for value in (0.1, 0.2, 0.3, 0.4):
+    trial = study.ask()
+    for age in (2, 4, 6):  # As the program does: each report judged (SH records rungs).
+      trial.report(value, age)
+      trial.should_prune()
+    study.tell(trial, value)
+  bad = study.ask()
+  bad.report(5.0, 2)
+  judged = bool(bad.should_prune())
+  if prunes is not None:
+    assert judged is prunes
+  assert type(study.pruner).__name__ == {
+      "median": "MedianPruner", "successive_halving": "SuccessiveHalvingPruner",
+      "hyperband": "HyperbandPruner", "halving": "AshaPruner", "none": "NopPruner"}[name]
+
+
 # -- Refusals -------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("overrides, message", [
