@@ -118,12 +118,12 @@ class Scheduler:
 
   def _record(self, trial: int, slot: int, step: int) -> dict[str, Any]:
     return {"trial": trial, "label": self.sweep.label(trial), "slot": slot, "start": step,
-            "end": None, "status": "running", "values": dict(self.sweep.members[trial]),
+            "end": None, "status": "running", "values": dict(self.sweep.values(trial)),
             "curve": []}
 
   def seed_of(self, trial: int) -> int:
     """The seed configuration `trial` starts from."""
-    return int(self.sweep.members[trial]["seed"])
+    return int(self.sweep.values(trial)["seed"])
 
   def first_trials(self, step: int) -> bool:
     """Before the run's first call: True when the slots' values changed (a study asks its
@@ -145,6 +145,38 @@ class Scheduler:
   def summary(self) -> dict[str, Any] | None:
     """What `sweep.json` records besides the trials (a study's name, states, best)."""
     return None
+
+  def _next_trial(self, slot: int, step: int) -> int | None:
+    """The trial that starts in freed slot `slot` at `step`, or None: nothing left (the
+    schedulers that refill slots say which)."""
+    raise NotImplementedError(f"scheduler {self.name!r} does not refill slots")
+
+  def _refill(self, freed: Sequence[int], step: int) -> tuple[dict[int, int], list[int]]:
+    """Starts the next trial (`_next_trial`) in each freed slot, or freezes the slot when
+    none is left; `(slot -> trial started, slots frozen)`, both recorded as events."""
+    refill: dict[int, int] = {}
+    frozen: list[int] = []
+    for slot in sorted(freed):
+      trial = self._next_trial(slot, step)
+      if trial is None:
+        frozen.append(slot)
+        self.slots[slot] = None
+        self.events.append({"step": step, "event": "freeze", "slot": slot})
+        continue
+      refill[slot] = trial
+      self.slots[slot], self.start[slot] = trial, step
+      self.values[slot] = dict(self.sweep.values(trial))
+      self.trials.append(self._record(trial, slot, step))
+      self.events.append({"step": step, "event": "refill", "slot": slot, "trial": trial,
+                          "label": self.sweep.label(trial)})
+    return refill, frozen
+
+  def _end(self, record: dict[str, Any], step: int, status: str, slot: int,
+           **why: Any) -> None:
+    """Ends the trial of `record` in `slot` at `step` as `status`, with an event."""
+    record["end"], record["status"] = step, status
+    self.events.append({"step": step, "event": status, "slot": slot,
+                        "trial": record["trial"], "label": record["label"], **why})
 
   def current(self, slot: int) -> dict[str, Any] | None:
     """The record of the trial running in `slot` (None: frozen)."""
@@ -289,33 +321,20 @@ class Halving(Scheduler):
                   of=len(ranked))
         freed.append(slot)
     leaving = {slot: self.slots[slot] for slot in completed}
-    refill: dict[int, int] = {}
-    frozen: list[int] = []
-    for slot in sorted(freed):
-      if self.next_trial < len(self.sweep):
-        trial = self.next_trial
-        self.next_trial += 1
-        refill[slot] = trial
-        self.slots[slot], self.start[slot] = trial, step
-        self.values[slot] = dict(self.sweep.members[trial])
-        self.trials.append(self._record(trial, slot, step))
-        self.events.append({"step": step, "event": "refill", "slot": slot, "trial": trial,
-                            "label": self.sweep.label(trial)})
-      else:
-        frozen.append(slot)
-        self.slots[slot] = None
-        self.events.append({"step": step, "event": "freeze", "slot": slot})
+    refill, frozen = self._refill(freed, step)
     export = self._export_before_refill(
         {slot: trial for slot, trial in leaving.items() if slot in refill}, values)
     return Decision(step, refill=refill, values={s: self.values[s] for s in refill},
                     frozen=tuple(frozen), export=export,
                     finished=all(t is None for t in self.slots))
 
-  def _end(self, record: dict[str, Any], step: int, status: str, slot: int,
-           **why: Any) -> None:
-    record["end"], record["status"] = step, status
-    self.events.append({"step": step, "event": status, "slot": slot,
-                        "trial": record["trial"], "label": record["label"], **why})
+  def _next_trial(self, slot: int, step: int) -> int | None:
+    """The next configuration not yet tried, in the sweep's order."""
+    del slot, step
+    if self.next_trial >= len(self.sweep):
+      return None
+    self.next_trial += 1
+    return self.next_trial - 1
 
   def _export_before_refill(self, leaving: Mapping[int, int], values: list[float]
                             ) -> tuple[int, int] | None:

@@ -236,12 +236,6 @@ def trial_seeded(name: str, seed: int) -> optuna.samplers.BaseSampler:
   return TrialSeeded()
 
 
-def sampler_for_trial(name: str, seed: int, number: int) -> optuna.samplers.BaseSampler:
-  """The sampler `trial_seeded` uses for trial `number` (for `study.optimize`, which
-  seeds per trial the same way through `trial_seeded`)."""
-  return _make_sampler(name, trial_seed(seed, number))
-
-
 # -- This project's successive halving as an Optuna pruner ----------------------------------
 
 def asha_pruner(rungs: Sequence[int], reduction_factor: float, maximize: bool
@@ -419,14 +413,6 @@ class StudyScheduler(Scheduler):
   def _first_records(self) -> list[dict[str, Any]]:
     return []  # Asked when the run begins (`first_trials`).
 
-  def _record(self, trial: int, slot: int, step: int) -> dict[str, Any]:
-    return {"trial": trial, "label": self.sweep.label(trial), "slot": slot, "start": step,
-            "end": None, "status": "running", "values": dict(self.sweep.values(trial)),
-            "curve": []}
-
-  def seed_of(self, trial: int) -> int:
-    return int(self.sweep.base["seed"])
-
   def _tag(self, slot: int, step: int) -> dict[str, Any]:
     return {"run": self.run, "slot": slot, "start": step}
 
@@ -451,28 +437,16 @@ class StudyScheduler(Scheduler):
     self.sweep.add(frozen.number, params)
     return frozen.number
 
-  def _start_trial(self, slot: int, trial: int, step: int) -> None:
-    self.slots[slot], self.start[slot] = trial, step
-    self.values[slot] = dict(self.sweep.values(trial))
-    self.trials.append(self._record(trial, slot, step))
-
   def first_trials(self, step: int) -> bool:
     """Asks the first trial of every slot (not on a resumed run, whose slots hold theirs);
     True when the slots' values changed."""
     if self.started:
       return False
     self.started = True
-    for slot in range(self.num_slots):
-      trial = self._next_trial(slot, step)
-      if trial is None:
-        self.events.append({"step": step, "event": "freeze", "slot": slot})
-        continue
-      self._start_trial(slot, trial, step)
-      self.events.append({"step": step, "event": "refill", "slot": slot, "trial": trial,
-                          "label": self.sweep.label(trial)})
+    self._refill(range(self.num_slots), step)
     return True
 
-  def _report_all(self, step: int, values: Sequence[float]) -> tuple[list, dict]:
+  def _report_all(self, step: int, values: Sequence[float]) -> list[tuple[int, dict, Any]]:
     """Each running slot's `(slot, record, frozen trial before this report)`, after
     reporting its value at its age (unless the study holds one there already)."""
     import optuna
@@ -490,7 +464,7 @@ class StudyScheduler(Scheduler):
           and age not in before.intermediate_values and math.isfinite(value)):
         optuna.trial.Trial(self.study, before._trial_id).report(value, age)
       running.append((slot, record, before))
-    return running, frozen
+    return running
 
   def observe(self, step: int, values: Sequence[float]) -> Decision:
     return self.decide(step, [float(v) for v in values])
@@ -498,7 +472,7 @@ class StudyScheduler(Scheduler):
   def decide(self, step: int, values: list[float]) -> Decision:
     import optuna
     state = optuna.trial.TrialState
-    running, _ = self._report_all(step, values)
+    running = self._report_all(step, values)
     freed, completed = [], []
     for slot, record, before in running:
       age, trial = step - self.start[slot], record["trial"]
@@ -524,18 +498,7 @@ class StudyScheduler(Scheduler):
         continue
       freed.append(slot)
     leaving = {slot: self.slots[slot] for slot in completed}
-    refill, frozen = {}, []
-    for slot in sorted(freed):
-      trial = self._next_trial(slot, step)
-      if trial is None:
-        frozen.append(slot)
-        self.slots[slot] = None
-        self.events.append({"step": step, "event": "freeze", "slot": slot})
-        continue
-      refill[slot] = trial
-      self._start_trial(slot, trial, step)
-      self.events.append({"step": step, "event": "refill", "slot": slot, "trial": trial,
-                          "label": self.sweep.label(trial)})
+    refill, frozen = self._refill(freed, step)
     best = self.study_best()
     export = next(((slot, t) for slot, t in leaving.items()
                    if slot in refill and best is not None and best.number == t), None)
@@ -543,17 +506,11 @@ class StudyScheduler(Scheduler):
                     frozen=tuple(frozen), export=export,
                     finished=all(t is None for t in self.slots))
 
-  def _end(self, record: dict[str, Any], step: int, status: str, slot: int,
-           **why: Any) -> None:
-    record["end"], record["status"] = step, status
-    self.events.append({"step": step, "event": status, "slot": slot,
-                        "trial": record["trial"], "label": record["label"], **why})
-
   def observe_only(self, step: int, values: Sequence[float]) -> None:
     """The run's last evaluation: trials that ran their steps complete; any other still
     running is told as failed (the run ends before it could finish)."""
     import optuna
-    running, _ = self._report_all(step, values)
+    running = self._report_all(step, values)
     for slot, record, before in running:
       if before.state != optuna.trial.TrialState.RUNNING:  # Ended there before a restart.
         status = {"PRUNED": "stopped", "COMPLETE": "completed"}.get(before.state.name, "failed")
