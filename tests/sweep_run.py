@@ -1,7 +1,7 @@
 """A sweep with a scheduler and checkpoints, for tests that kill a real process.
 
     python tests/sweep_run.py --workdir=W --scheduler=halving --out=final.npz \
-        [--kill_after_save_at=2] [--kill_after_choices_at=4] [--storage=PATH]
+        [--kill_after_save_at=2] [--kill_after_choices_at=4] [--storage=PATH] [--save_at=2]
 
 Trains `FlaxStyleTrainer` (BatchNorm, dropout) on the test images under
 `pmap_ensemble`, resuming from `W/checkpoints` when it holds one, and writes
@@ -9,7 +9,8 @@ the final state (checkpoint layout) to `--out`; the sweep's summary is in
 `W/sweep.json`. `--kill_after_save_at=S` SIGKILLs the process once the
 checkpoint of step S is complete (after that evaluation's choices);
 `--kill_after_choices_at=S` once that evaluation's choices are made, before its
-checkpoint (a restart replays them). `--scheduler=study` asks an Optuna study
+checkpoint (a restart replays them); `--save_at=S,...` checkpoints those steps only.
+`--scheduler=study` asks an Optuna study
 (in W, or the journal file `--storage`, which several runs may share).
 """
 
@@ -64,8 +65,12 @@ class KillingCheckpointer(Checkpointer):
   """Dies by SIGKILL once the save of one step is complete."""
 
   kill_at: int = -1
+  #: The only steps saved (empty: every one the run asks for).
+  save_at: tuple[int, ...] = ()
 
   def save(self, step, state, layout, **kwargs):
+    if self.save_at and step not in self.save_at:
+      return
     super().save(step, state, layout, **kwargs)
     if step == self.kill_at:
       self.wait()
@@ -80,6 +85,7 @@ def main():
   parser.add_argument("--kill_after_save_at", type=int, default=-1)
   parser.add_argument("--kill_after_choices_at", type=int, default=-1)
   parser.add_argument("--storage", default="")
+  parser.add_argument("--save_at", default="", help="the only steps checkpointed, e.g. 2")
   args = parser.parse_args()
   logging.getLogger().setLevel(logging.INFO)
   for noisy in ("absl", "jax", "orbax"):
@@ -92,6 +98,7 @@ def main():
   checkpointer = KillingCheckpointer(os.path.join(args.workdir, "checkpoints"), every_steps=2,
                                      max_to_keep=3)
   checkpointer.kill_at = args.kill_after_save_at
+  checkpointer.save_at = tuple(int(s) for s in args.save_at.split(",") if s)
   batches = conftest.image_batches(24, 16)
   try:
     result = trainer.fit(lambda start: batches[start:], num_steps=6, checkpointer=checkpointer,

@@ -146,27 +146,34 @@ def _trials(path):
           for t in study.get_trials()]
 
 
-def test_a_study_killed_after_its_choices_resumes_with_the_same_trials(tmp_path):
+def test_a_study_killed_evaluations_after_its_checkpoint_replays_them_exactly(tmp_path):
+  # The checkpoint of step 2 only; killed after the choices of step 8, so the restart
+  # replays three evaluations (4, 6, 8) holding prunes at ages 2 and 4, a completion,
+  # refills and freezes, each where the uninterrupted run made it.
   straight = _run(tmp_path / "straight", tmp_path / "straight.npz")
   assert straight.returncode == 0, straight.stderr[-3000:]
-  killed = _run(tmp_path / "work", tmp_path / "final.npz", "--kill_after_choices_at=4")
+  killed = _run(tmp_path / "work", tmp_path / "final.npz", "--kill_after_choices_at=8",
+                "--save_at=2")
   assert killed.returncode == -9, killed.stderr[-3000:]
-  resumed = _run(tmp_path / "work", tmp_path / "final.npz")
+  resumed = _run(tmp_path / "work", tmp_path / "final.npz", "--save_at=2")
   assert resumed.returncode == 0, resumed.stderr[-3000:]
   assert "Resuming at step 2" in resumed.stderr
-  # The trials asked at step 4, after the checkpoint and before the kill, go on in their
-  # slots (not asked again); the ones asked after the restart are the uninterrupted run's.
+  a = json.loads((tmp_path / "straight" / "sweep.json").read_text())
+  b = json.loads((tmp_path / "work" / "sweep.json").read_text())
+  replayed = [e for e in a["events"] if 2 < e["step"] <= 8]
+  assert {e["event"] for e in replayed} == {"stopped", "completed", "refill", "freeze"}
+  assert {e.get("age") for e in replayed if e["event"] == "stopped"} == {2, 4}
+  # The trials asked after the checkpoint and before the kill go on in their slots (not
+  # asked again); the ones asked after the restart are the uninterrupted run's.
   assert "takes back trial" in resumed.stderr
   want = _trials(tmp_path / "straight" / "study.journal")
   got = _trials(tmp_path / "work" / "study.journal")
   assert got == want and len(want) == 10
-  a = json.loads((tmp_path / "straight" / "sweep.json").read_text())
-  b = json.loads((tmp_path / "work" / "sweep.json").read_text())
   assert b["trials"] == a["trials"]
-  assert any(r["start"] > 4 for r in a["trials"])  # Trials were asked after the restart.
-  assert [(e["step"], e["event"], e["slot"]) for e in b["events"]] == [
-      (e["step"], e["event"], e["slot"]) for e in a["events"]]
+  assert any(r["start"] > 8 for r in a["trials"]) or any(r["end"] > 8 for r in a["trials"])
+  assert b["events"] == a["events"]
   x, y = np.load(tmp_path / "straight.npz"), np.load(tmp_path / "final.npz")
+  assert set(x) == set(y)
   for key in x:
     np.testing.assert_array_equal(x[key], y[key], err_msg=key)  # Bit for bit.
 
@@ -253,6 +260,34 @@ def test_each_pruner_judges_a_trial_by_its_own_steps(name, prunes):
   assert type(study.pruner).__name__ == {
       "median": "MedianPruner", "successive_halving": "SuccessiveHalvingPruner",
       "hyperband": "HyperbandPruner", "halving": "AshaPruner", "none": "NopPruner"}[name]
+
+
+@pytest.mark.parametrize("name", ["median", "successive_halving", "hyperband", "halving"])
+def test_each_pruner_prunes_first_at_its_documented_rung(name):
+  # An evaluation every step; the first rung halving.min_steps=4: no trial is pruned at an
+  # age below it, and a trial far behind four completed ones is pruned at it.
+  config = cnn_config(**{**STUDY, "eval_every_steps": 1, "sweep.study.pruner": name,
+                         "sweep.halving.rungs": (), "sweep.halving.min_steps": 4,
+                         "sweep.study.startup_trials": 2, "sweep.halving.reduction_factor": 2})
+  study = optuna.create_study(direction="minimize",
+                              pruner=study_lib.make_pruner(config, budget=8))
+  for value in (0.1, 0.2, 0.3, 0.4):
+    trial = study.ask()
+    for age in range(1, 9):
+      trial.report(value, age)
+      trial.should_prune()
+    study.tell(trial, value)
+  bad = study.ask()
+  first = None
+  for age in range(1, 9):
+    bad.report(5.0, age)
+    if bad.should_prune():
+      first = age
+      break
+  if name == "hyperband":  # Its bracket decides the rung; never before the first.
+    assert first is None or first >= 4
+  else:
+    assert first == 4
 
 
 # -- Refusals -------------------------------------------------------------------------------

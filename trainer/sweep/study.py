@@ -283,7 +283,7 @@ def make_pruner(config: ml_collections.ConfigDict, budget: int) -> optuna.pruner
   name, first = s.study.pruner, s.halving.min_steps or config.eval_every_steps
   if name == "median":
     return optuna.pruners.MedianPruner(n_startup_trials=s.study.startup_trials,
-                                       n_warmup_steps=first - 1)
+                                       n_warmup_steps=first)
   if name == "successive_halving":
     return optuna.pruners.SuccessiveHalvingPruner(
         min_resource=first, reduction_factor=int(s.halving.reduction_factor))
@@ -469,36 +469,85 @@ class StudyScheduler(Scheduler):
   def observe(self, step: int, values: Sequence[float]) -> Decision:
     return self.decide(step, [float(v) for v in values])
 
+  # -- How a trial ended, kept in the study so that a restart replays it exactly --
+
+  def _tell_end(self, before: Any, step: int, age: int, status: str, state: str, *,
+                value: float | None = None, why: Mapping[str, Any] | None = None) -> None:
+    """Tells the study that trial `before` ended at `age` (`status` in its record, `state`
+    in the study, with `value` when it completed), keeping first on the trial where it
+    ended and why (the user attribute `sweep_end`, which a restart replays); then ends its
+    record."""
+    import optuna
+    ending = {"step": step, "age": age, "status": status, "state": state, "value": value,
+              "why": dict(why or {})}
+    optuna.trial.Trial(self.study, before._trial_id).set_user_attr("sweep_end", ending)
+    self._tell(before.number, ending)
+
+  def _tell(self, trial: int, ending: Mapping[str, Any]) -> None:
+    import optuna
+    if ending["state"] == "COMPLETE":
+      self.study.tell(trial, ending["value"])
+    else:
+      self.study.tell(trial, state=optuna.trial.TrialState[ending["state"]])
+
+  def _replayed_end(self, before: Any, age: int) -> dict[str, Any] | None:
+    """How the trial `before` (as the study held it before this evaluation) ended at `age`
+    before a restart, or None: it did not end there (it went on, or this is new)."""
+    import optuna
+    ending = before.user_attrs.get("sweep_end")
+    if ending is not None:
+      return dict(ending) if ending["age"] == age else None
+    if before.state == optuna.trial.TrialState.RUNNING:
+      return None
+    # Told without a record of where (another version, or `finish`): its last report.
+    last = max(before.intermediate_values, default=age)
+    if age < last:
+      return None
+    status = {"PRUNED": "stopped", "COMPLETE": "completed"}.get(before.state.name, "failed")
+    return {"age": age, "status": status, "state": before.state.name, "value": before.value,
+            "why": {}}
+
+  def _judged(self) -> int:
+    """The last evaluation step whose judgements this run finished (-1: none)."""
+    return int(self.study.user_attrs.get(f"sweep_judged {self.run}", -1))
+
   def decide(self, step: int, values: list[float]) -> Decision:
     import optuna
     state = optuna.trial.TrialState
     running = self._report_all(step, values)
+    judged = self._judged()
     freed, completed = [], []
     for slot, record, before in running:
       age, trial = step - self.start[slot], record["trial"]
-      if before.state == state.PRUNED or before.state == state.FAIL:
-        self._end(record, step, "stopped", slot, replayed=True)
-      elif before.state == state.COMPLETE:
-        self._end(record, step, "completed", slot, replayed=True)
-        completed.append(slot)
+      ending = self._replayed_end(before, age)
+      if ending is not None:  # Ended here before a restart: ends here again.
+        if before.state == state.RUNNING:  # Killed between the record and the tell.
+          self._tell(trial, ending)
+        self._end(record, step, ending["status"], slot, **ending["why"])
+      elif before.state != state.RUNNING:  # Ended later before a restart: it went on.
+        continue
       elif age >= self.budget:
-        self.study.tell(trial, values[slot])
+        self._tell_end(before, step, age, "completed", "COMPLETE", value=values[slot])
         self._end(record, step, "completed", slot)
-        completed.append(slot)
-      elif age in before.intermediate_values:  # Judged before a restart: it went on.
+      elif age in before.intermediate_values and step <= judged:  # Judged: it went on.
         continue
       elif not math.isfinite(values[slot]):
-        self.study.tell(trial, state=state.FAIL)
-        self._end(record, step, "stopped", slot, why="non-finite metric")
+        why = {"why": "non-finite metric"}
+        self._tell_end(before, step, age, "stopped", "FAIL", why=why)
+        self._end(record, step, "stopped", slot, **why)
       elif optuna.trial.Trial(self.study, before._trial_id).should_prune():
-        self.study.tell(trial, state=state.PRUNED)
-        self._end(record, step, "stopped", slot, pruner=self.study.pruner.__class__.__name__,
-                  age=age)
+        why = {"pruner": self.study.pruner.__class__.__name__, "age": age}
+        self._tell_end(before, step, age, "stopped", "PRUNED", why=why)
+        self._end(record, step, "stopped", slot, **why)
       else:
         continue
+      if record["status"] == "completed":
+        completed.append(slot)
       freed.append(slot)
     leaving = {slot: self.slots[slot] for slot in completed}
     refill, frozen = self._refill(freed, step)
+    if step > judged:
+      self.study.set_user_attr(f"sweep_judged {self.run}", step)
     best = self.study_best()
     export = next(((slot, t) for slot, t in leaving.items()
                    if slot in refill and best is not None and best.number == t), None)
@@ -508,15 +557,18 @@ class StudyScheduler(Scheduler):
 
   def observe_only(self, step: int, values: Sequence[float]) -> None:
     """The run's last evaluation: trials that ran their steps complete; any other still
-    running is told as failed (the run ends before it could finish)."""
+    running is told as failed by `finish` (the run ends before it could finish)."""
     import optuna
     running = self._report_all(step, values)
     for slot, record, before in running:
-      if before.state != optuna.trial.TrialState.RUNNING:  # Ended there before a restart.
-        status = {"PRUNED": "stopped", "COMPLETE": "completed"}.get(before.state.name, "failed")
-        self._end(record, step, status, slot, replayed=True)
-      elif step - self.start[slot] >= self.budget:
-        self.study.tell(record["trial"], float(values[slot]))
+      age = step - self.start[slot]
+      ending = self._replayed_end(before, age)
+      if ending is not None:  # Ended here before a restart.
+        if before.state == optuna.trial.TrialState.RUNNING:
+          self._tell(record["trial"], ending)
+        self._end(record, step, ending["status"], slot, **ending["why"])
+      elif before.state == optuna.trial.TrialState.RUNNING and age >= self.budget:
+        self._tell_end(before, step, age, "completed", "COMPLETE", value=float(values[slot]))
         self._end(record, step, "completed", slot)
 
   def study_best(self) -> Any:
