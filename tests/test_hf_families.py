@@ -14,6 +14,7 @@ import os
 import ml_collections
 import numpy as np
 import pytest
+from hf_fixtures import ATOL, LENGTH, VOCAB, lm_batch, our_outputs, run_config, save_random
 from small_configs import tiny_lm_config
 
 torch = pytest.importorskip("torch")
@@ -24,8 +25,6 @@ from trainer.export import export_checkpoint  # noqa: E402
 from trainer.interop import families, hf  # noqa: E402
 from trainer.language_model import LanguageModelTrainer, synthetic_token_batches  # noqa: E402
 
-VOCAB, LENGTH = 64, 16
-ATOL = 1e-4  # As tests/test_hf_interop.py: two libraries' float32 sums of these widths.
 TOKENS = np.random.default_rng(0).integers(0, VOCAB, (4, LENGTH)).astype(np.int32)
 WIDTHS = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
@@ -56,34 +55,22 @@ KINDS = ("llama3", "mistral", "qwen2", "qwen3")
 def hf_models(tmp_path_factory):
   torch.manual_seed(0)
   out = {}
-  for kind in KINDS:
-    model = transformers.AutoModelForCausalLM.from_config(_hf_config(kind)).eval()
-    with torch.no_grad():  # Biases start at 0 and norm scales at 1: move every weight.
-      for p in model.parameters():
-        p.add_(torch.randn_like(p) * 0.05)
+  for kind in KINDS:  # Biases start at 0 and norm scales at 1: every weight moved.
     directory = str(tmp_path_factory.mktemp(kind))
-    model.save_pretrained(directory)
+    model = save_random(_hf_config(kind), directory, jitter=0.05)
     out[kind] = (directory, _hf_logits(model))
   return out
 
 
-def _config(path, layout, **overrides):
-  config = tiny_lm_config(layout, **overrides)
-  config.model = ml_collections.ConfigDict(hf.model_fields(path))
-  config.init_from.path = path
-  return config
-
-
-def _our_logits(trainer, state, tokens=TOKENS):
-  import jax
-  canonical = trainer.strategy.to_canonical(state)
-  return np.asarray(jax.jit(lambda p, s: trainer.model_variables.apply(
-      p, s, ((tokens,), {}), rngs={"dropout": jax.random.PRNGKey(0)}, train=False)[0])(
-          canonical.params, canonical.model_state))
+_config = run_config
 
 
 def _batch(tokens=TOKENS):
-  return {"inputs": tokens, "targets": np.roll(tokens, -1, axis=1)}
+  return lm_batch(tokens)
+
+
+def _our_logits(trainer, state, tokens=TOKENS):
+  return np.asarray(our_outputs(trainer, state, tokens))
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -111,9 +98,13 @@ def test_each_variant_changes_the_logits(hf_models):
   for kind, field in (("llama3", "rope_scaling"), ("mistral", "sliding_window")):
     path, reference = hf_models[kind]
     config = _config(path, "data_parallel", **{"strategy.name": "single_device"})
+    loaded = LanguageModelTrainer(config)
+    state = loaded.init_state(_batch())
+    # The same weights in the model without the variant (a run would be refused: below).
     config.model[field] = None
-    trainer = LanguageModelTrainer(config)
-    logits = _our_logits(trainer, trainer.init_state(_batch()))
+    config.init_from.path = ""
+    without = LanguageModelTrainer(config)
+    logits = _our_logits(without, state)
     assert np.abs(logits - reference).max() > 10 * ATOL, kind
   for kind, name in (("qwen2", "self_attn/q_proj/bias"), ("qwen3", "self_attn/k_norm/scale")):
     path, _ = hf_models[kind]
@@ -122,6 +113,66 @@ def test_each_variant_changes_the_logits(hf_models):
     value = np.asarray(params["blocks"]["layers"][name.split("/")[0]][name.split("/")[1]][
         name.split("/")[2]].value)
     assert np.abs(value - (1.0 if "norm" in name else 0.0)).min() > 0, kind
+
+
+def test_a_run_whose_model_is_not_its_checkpoints_is_refused_before_compute(hf_models):
+  # Llama 3.1's checkpoint with its rope scaling dropped from config.model: the shapes all
+  # match, and before this check it loaded with logits far from transformers'.
+  path, _ = hf_models["llama3"]
+  config = _config(path, "data_parallel", **{"strategy.name": "single_device"})
+  config.model.rope_scaling = None
+  with pytest.raises(ValueError, match=r"config.model.rope_scaling=None, but the checkpoint "
+                     r"at config.init_from.path=.* has rope_scaling=\{'factor': 8.0"):
+    LanguageModelTrainer(config)
+  config.model.rope_scaling = hf.model_fields(path)["rope_scaling"]
+  config.model.family = "mistral"  # The same module, another family.
+  with pytest.raises(ValueError, match=r"config.model.family='mistral', but .* is a 'llama' "
+                     r"checkpoint"):
+    LanguageModelTrainer(config)
+
+
+def _write_config(tmp_path, name, fields):
+  directory = tmp_path / name
+  directory.mkdir()
+  hf_config = families.get(fields["family"]).hf_config(fields)
+  (directory / "config.json").write_text(json.dumps(hf_config))
+  (directory / "model.safetensors").write_bytes(b"")  # Only its config.json is read.
+  return str(directory)
+
+
+_LLAMA = dict(family="llama", vocab_size=VOCAB, num_layers=2, embed_dim=32, num_heads=4,
+              num_kv_heads=2, head_dim=None, mlp_dim=48, max_len=32, rms_norm_eps=1e-5,
+              tie_word_embeddings=False, rope_theta=500000.0,
+              rope_scaling=dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                original_max_position_embeddings=8.0))
+_MIXTRAL = dict(_LLAMA, family="mixtral", rope_scaling=None, rope_theta=1e6,
+                sliding_window=None, num_experts=4, num_experts_per_tok=2, moe_mlp_dim=24,
+                norm_topk_prob=True)
+
+
+@pytest.mark.parametrize("base,field,value", [
+    (_LLAMA, "rope_theta", 10000.0), (_LLAMA, "rms_norm_eps", 1e-6),
+    (_LLAMA, "tie_word_embeddings", True), (_LLAMA, "num_kv_heads", 4),
+    (dict(_LLAMA, rope_scaling=None, family="mistral", sliding_window=4), "sliding_window",
+     None),
+    (_MIXTRAL, "num_experts_per_tok", 1), (_MIXTRAL, "norm_topk_prob", False),
+])
+def test_every_field_that_changes_the_computation_is_compared(tmp_path, base, field, value):
+  from trainer.config import check_config
+  path = _write_config(tmp_path, "ckpt", base)
+  config = tiny_lm_config("data_parallel")
+  config.model = ml_collections.ConfigDict(hf.model_fields(path))
+  config.init_from.path = path
+  check_config(config)  # The checkpoint's own fields pass ...
+  config.model[field] = value
+  want = base.get(field)
+  with pytest.raises(ValueError, match=rf"config.model.{field}={value!r}, but .* has "
+                     rf"{field}={want!r}".replace("(", r"\(").replace(")", r"\)")):
+    check_config(config)  # ... and one changed is refused, naming both values.
+  config.model[field] = want
+  config.model.max_len = 16  # A run's own choice: a shorter longest sequence.
+  config.model.head_dim = None  # The family's default: embed_dim // num_heads, the same.
+  check_config(config)
 
 
 @pytest.mark.parametrize("kind,layout", [("llama3", "fsdp"), ("mistral", "data_tensor"),

@@ -13,10 +13,9 @@ import json
 import os
 
 import jax
-import ml_collections
 import numpy as np
 import pytest
-from small_configs import tiny_lm_config
+from hf_fixtures import ATOL, LENGTH, VOCAB, lm_batch, our_outputs, run_config, save_random
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -26,10 +25,6 @@ from trainer.export import export_checkpoint  # noqa: E402
 from trainer.interop import families, hf  # noqa: E402
 from trainer.language_model import LanguageModelTrainer, synthetic_token_batches  # noqa: E402
 
-VOCAB, LENGTH = 64, 16
-#: The issue's bound for float32 logits of the same weights in two libraries: far above
-#: what reordered float32 sums of these widths (32, 48) can move a logit (~1e-6).
-ATOL = 1e-4
 TOKENS = np.random.default_rng(0).integers(0, VOCAB, (4, LENGTH)).astype(np.int32)
 
 
@@ -56,9 +51,8 @@ def hf_models(tmp_path_factory):
   torch.manual_seed(0)
   out = {}
   for name, config in _hf_configs().items():
-    model = transformers.AutoModelForCausalLM.from_config(config).eval()
     directory = str(tmp_path_factory.mktemp(name))
-    model.save_pretrained(directory)
+    model = save_random(config, directory)
     from safetensors import safe_open
     with safe_open(os.path.join(directory, hf.WEIGHTS), framework="np") as f:
       names = sorted(f.keys())
@@ -66,25 +60,17 @@ def hf_models(tmp_path_factory):
   return out
 
 
-def _config(path, layout="fsdp", **overrides):
-  config = tiny_lm_config(layout, **overrides)
-  config.model = ml_collections.ConfigDict(hf.model_fields(path))
-  config.init_from.path = path  # configs/lm.py keeps a Llama's 2 key/value heads whole.
-  return config
+_config = run_config  # configs/lm.py keeps a Llama's 2 key/value heads whole.
 
 
 def _batch(tokens=TOKENS):
-  return {"inputs": tokens, "targets": np.roll(tokens, -1, axis=1)}
+  return lm_batch(tokens)
 
 
 def _our_logits(trainer, state, tokens=TOKENS):
-  canonical = trainer.strategy.to_canonical(state)
   if trainer.strategy.checkpoint_layout()["num_members"]:
     raise AssertionError("one model expected")
-  logits = jax.jit(lambda params, model_state: trainer.model_variables.apply(
-      params, model_state, ((tokens,), {}), rngs={"dropout": jax.random.PRNGKey(0)},
-      train=False)[0])(canonical.params, canonical.model_state)
-  return np.asarray(logits)
+  return np.asarray(our_outputs(trainer, state, tokens))
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
@@ -207,7 +193,7 @@ def test_sharded_checkpoint_is_read_slice_by_slice(hf_models, tmp_path):
   assert files.bytes_read >= total  # Every tensor was read (each device its part).
 
 
-def test_checkpoints_that_are_not_this_model_are_refused(hf_models, tmp_path):
+def test_checkpoints_that_are_not_this_model_are_refused(monkeypatch, hf_models, tmp_path):
   from safetensors.numpy import load_file, save_file
 
   path, _, _ = hf_models["llama"]
@@ -233,12 +219,28 @@ def test_checkpoints_that_are_not_this_model_are_refused(hf_models, tmp_path):
   swiglu = variant("gelu", tensors, hidden_act="gelu")
   with pytest.raises(families.UnsupportedModelError, match=r"hidden_act='gelu'.*\('silu',\)"):
     LanguageModelTrainer(_config(swiglu))
-  # The run's config.model differs from the checkpoint's: refused by shapes, before compute.
+  # The run's config.model differs from the checkpoint's config.json: refused by its fields,
+  # before the model is built, naming both values.
   config = _config(path)
   config.model.mlp_dim = 40
+  with pytest.raises(ValueError, match=r"config.model.mlp_dim=40, but the checkpoint .* has "
+                                       r"mlp_dim=48"):
+    LanguageModelTrainer(config)
+  config = _config(path)
+  config.model.tie_word_embeddings = True
+  with pytest.raises(ValueError, match=r"config.model.tie_word_embeddings=True, but .* has "
+                                       r"tie_word_embeddings=False"):
+    LanguageModelTrainer(config)
+  # Tensors that differ from their own config.json: refused by shapes, before compute.
+  narrow = variant("narrow", {k: v[:40] if ".mlp.up_proj." in k else v
+                              for k, v in tensors.items()})
   with pytest.raises(ValueError,
-                     match=r"(?s)differ in shape.*mlp/up_proj/kernel. has shape \(2, 32, 40\)"):
-    LanguageModelTrainer(config).init_state(_batch())
+                     match=r"(?s)differ in shape.*mlp/up_proj/kernel. has shape \(2, 32, 48\) "
+                           r"in the new model but .* has shape \(2, 32, 40\)"):
+    LanguageModelTrainer(_config(narrow)).init_state(_batch())
+  # Past the fields' check (skipped here), the loader still refuses by names: the untied
+  # checkpoint's head goes to no variable of a tied model.
+  monkeypatch.setattr(hf, "check_model_config", lambda model, path: None)
   config = _config(path)
   config.model.tie_word_embeddings = True
   with pytest.raises(ValueError, match=r"go to no variable of the new model: \['lm_head/kernel"):

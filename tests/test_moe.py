@@ -15,10 +15,10 @@ import os
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numerics
 import numpy as np
 import pytest
+from hf_fixtures import ATOL, LENGTH, VOCAB, lm_batch, our_outputs, run_config, save_random
 from small_configs import tiny_lm_config
 from user_models import ExpertDecoderTrainer
 
@@ -196,8 +196,6 @@ from trainer.checkpoint import Checkpointer  # noqa: E402
 from trainer.export import export_checkpoint  # noqa: E402
 from trainer.interop import families, hf  # noqa: E402
 
-VOCAB, LENGTH = 64, 16
-ATOL = 1e-4  # As tests/test_hf_interop.py: two libraries' float32 sums of these widths.
 TOKENS = np.random.default_rng(0).integers(0, VOCAB, (8, LENGTH)).astype(np.int32)
 WIDTHS = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=False,
@@ -222,34 +220,23 @@ def _hf_outputs(model, tokens=TOKENS):
 def hf_models(tmp_path_factory):
   torch.manual_seed(0)
   out = {}
-  for kind in ("mixtral", "qwen3_moe"):
-    model = transformers.AutoModelForCausalLM.from_config(_hf_config(kind)).eval()
-    with torch.no_grad():  # Norm scales start at 1: move every weight.
-      for p in model.parameters():
-        p.add_(torch.randn_like(p) * 0.05)
+  for kind in ("mixtral", "qwen3_moe"):  # Norm scales start at 1: every weight moved.
     directory = str(tmp_path_factory.mktemp(kind))
-    model.save_pretrained(directory)
-    out[kind] = (directory, *_hf_outputs(model))
+    out[kind] = (directory, *_hf_outputs(save_random(_hf_config(kind), directory,
+                                                     jitter=0.05)))
   return out
 
 
-def _hf_config_run(path, layout, **overrides):
-  config = tiny_lm_config(layout, **overrides)
-  config.model = ml_collections.ConfigDict(hf.model_fields(path))
-  config.init_from.path = path
-  return config
-
-
-def _our_outputs(trainer, state, tokens=TOKENS):
-  canonical = trainer.strategy.to_canonical(state)
-  out = jax.jit(lambda p, s: trainer.model_variables.apply(
-      p, s, ((tokens,), {}), rngs={"dropout": jax.random.PRNGKey(0)}, train=False)[0])(
-          canonical.params, canonical.model_state)
-  return np.asarray(out.logits), float(moe.summarize(out.router)["load_balance"])
+_hf_config_run = run_config
 
 
 def _batch(tokens=TOKENS):
-  return {"inputs": tokens, "targets": np.roll(tokens, -1, axis=1)}
+  return lm_batch(tokens)
+
+
+def _our_outputs(trainer, state, tokens=TOKENS):
+  out = our_outputs(trainer, state, tokens)
+  return np.asarray(out.logits), float(moe.summarize(out.router)["load_balance"])
 
 
 @pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe"])

@@ -58,9 +58,26 @@ def check_config(config: ml_collections.ConfigDict) -> None:
   store.check_config(config)
   builtin.check_config(config)
   writers.check_writers(config.writers)
+  _check_model_against_checkpoint(config)
   if not isinstance(config.eval_batch_size, int) or config.eval_batch_size < 1:
     raise ValueError(f"config.eval_batch_size={config.eval_batch_size!r} must be a positive "
                      f"integer (any size: eval batches are padded to split evenly).")
+
+
+def _check_model_against_checkpoint(config: ml_collections.ConfigDict) -> None:
+  """A language model's `config.model` against the Hugging Face checkpoint it starts from
+  (`config.init_from.path`), field by field (`trainer.interop.hf.check_model_config`)."""
+  path = config.init_from.path
+  if not path or "model" not in config or not isinstance(config.model, ml_collections.ConfigDict) \
+      or "family" not in config.model:
+    return
+  model = config.model
+  import os
+
+  from trainer.interop import hf
+  path = os.path.abspath(os.path.expanduser(path))
+  if os.path.exists(path) and hf.is_hf_checkpoint(path):
+    hf.check_model_config(model.to_dict(), path)
 
 
 class OverrideError(ValueError):

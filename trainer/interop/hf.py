@@ -217,6 +217,60 @@ def model_fields(path: str) -> dict[str, Any]:
   return families.get(hf_config.get("model_type")).fields(hf_config)
 
 
+#: `config.model` fields a run may choose apart from its checkpoint: the longest sequence
+#: (GPT-2's position table is checked by shape; rope families compute any length) and
+#: the dropout rate (training only; HF's export writes it).
+RUN_CHOICES = ("max_len", "dropout_rate")
+
+
+def check_model_config(model: Mapping[str, Any], path: str) -> None:
+  """Refuses a `config.model` that computes something other than the HF checkpoint at
+  `path`: every field its `config.json` gives (`model_fields`: family, widths, rope base and
+  scaling, sliding window, norm epsilon, tied head, routing; the family fixes biases and
+  q/k norms) must equal the run's, with the family's defaults filled in for fields left
+  None. Only `RUN_CHOICES` may differ. Shapes alone would miss most of these.
+
+  Raises:
+    ValueError: naming the first field that differs and both values.
+  """
+  from trainer.language_model import model_fields as run_fields
+
+  theirs = model_fields(path)
+  family = model.get("family") or "transformer"
+  if family != theirs["family"]:
+    raise ValueError(
+        f"config.model.family={family!r}, but config.init_from.path={path!r} is a "
+        f"{theirs['family']!r} checkpoint (its config.json's model_type); set config.model "
+        f"from the checkpoint: trainer.interop.hf.model_fields(path).")
+  ours = run_fields(**dict(model))
+  derived = {"head_dim": lambda f: f["embed_dim"] // f["num_heads"],  # What None computes.
+             "moe_mlp_dim": lambda f: f["mlp_dim"]}
+  for name, default in derived.items():
+    if name in theirs and ours.get(name) is None:
+      ours[name] = default(ours)
+  for name, value in theirs.items():
+    if name in RUN_CHOICES:
+      continue
+    mine = ours.get(name)
+    if not _same(mine, value):
+      raise ValueError(
+          f"config.model.{name}={mine!r}, but the checkpoint at config.init_from.path="
+          f"{path!r} has {name}={value!r} (from its config.json); the model would compute "
+          f"something else than the weights were trained for. Set config.model.{name}="
+          f"{value!r}, or set config.model from trainer.interop.hf.model_fields(path).")
+
+
+def _same(a: Any, b: Any) -> bool:
+  """Equal as config values: numbers by value (1e-5 == 1e-05, 4 == 4.0), mappings by key."""
+  if isinstance(a, Mapping) and isinstance(b, Mapping):
+    return set(a) == set(b) and all(_same(a[k], b[k]) for k in a)
+  if isinstance(a, bool) or isinstance(b, bool):
+    return bool(a) == bool(b) and type(a) is type(b)
+  if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+    return float(a) == float(b)
+  return a == b
+
+
 class ResolvedRules:
   """The rules of a family resolved against one checkpoint's tensors (import), or against
   our model's fields alone (export)."""
