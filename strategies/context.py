@@ -32,15 +32,15 @@ the partitioner would gather whole sequences silently.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from strategies.tracing import Steering
 
 PyTree = Any
 
@@ -90,7 +90,8 @@ class ContextPlan:
               f"context = {self.chunks} equal blocks")
       fits = [self.chunks * k for k in range(1, 5)]
       raise ContextError(
-          f"the sequence length {length} (config.seq_len) does not split into {what} over "
+          f"the batch's sequence length {length} (the length of its rows) does not split "
+          f"into {what} over "
           f"the {self.axis!r} mesh axis ({self.axis}={self.size}, "
           f"config.strategy.context.method={self.method!r}); use a length that is a multiple "
           f"of {self.chunks} (e.g. {fits}), or another context size.")
@@ -201,31 +202,14 @@ def from_mesh(mesh_shape: dict[str, int], rules, batch_axes: tuple[str, ...],
                      kv_heads_axes=_axes(table.get("kv_heads")))
 
 
-_CURRENT: contextvars.ContextVar[ContextPlan | None] = contextvars.ContextVar(
-    "context_plan", default=None)
-_CALLS: contextvars.ContextVar[list | None] = contextvars.ContextVar(
-    "context_calls", default=None)
-
-
-def current() -> ContextPlan | None:
-  """The context plan a strategy set for the step being traced, or None."""
-  return _CURRENT.get()
-
-
-def record_call(method: str) -> None:
-  """Called by the shared attention each time it is traced (`requiring_attention` counts)."""
-  if (calls := _CALLS.get()) is not None:
-    calls.append(method)
-
-
-@contextlib.contextmanager
-def active(plan: ContextPlan | None) -> Iterator[None]:
-  """Attention traced inside runs by `plan` (None: plain attention)."""
-  token = _CURRENT.set(plan)
-  try:
-    yield
-  finally:
-    _CURRENT.reset(token)
+#: The context plan a strategy sets while tracing; the attention calls traced under it.
+STEERING: Steering[ContextPlan] = Steering("context")
+#: The context plan a strategy set for the step being traced, or None.
+current = STEERING.current
+#: Attention traced inside runs by the given plan (None: plain attention).
+active = STEERING.active
+#: Called by the shared attention each time it is traced (`requiring_attention` counts).
+record_call = STEERING.record
 
 
 def requiring_attention(plan: ContextPlan, fn: Callable) -> Callable:
@@ -236,23 +220,12 @@ def requiring_attention(plan: ContextPlan, fn: Callable) -> Callable:
   silently), so a model under a `context` axis must attend through
   `models.attention.attention`.
   """
-  def traced(*args):
-    token = _CALLS.set([])
-    try:
-      out = fn(*args)
-      calls = _CALLS.get()
-    finally:
-      _CALLS.reset(token)
-    if not calls:
-      raise ContextError(
-          f"the mesh has a {CONTEXT_AXIS!r} axis ({plan.axis}={plan.size}), but the model "
-          f"never called models.attention.attention: attention written by hand (or "
-          f"nn.dot_product_attention, jax.nn.dot_product_attention) would not see the other "
-          f"devices' keys and values. Call models.attention.attention(q, k, v, ...) for the "
-          f"model's attention, or train without a {CONTEXT_AXIS!r} axis.")
-    return out
-
-  return traced
+  return STEERING.requiring(fn, lambda: ContextError(
+      f"the mesh has a {CONTEXT_AXIS!r} axis ({plan.axis}={plan.size}), but the model "
+      f"never called models.attention.attention: attention written by hand (or "
+      f"nn.dot_product_attention, jax.nn.dot_product_attention) would not see the other "
+      f"devices' keys and values. Call models.attention.attention(q, k, v, ...) for the "
+      f"model's attention, or train without a {CONTEXT_AXIS!r} axis."))
 
 
 def _sequence_length(tree: PyTree) -> int | None:

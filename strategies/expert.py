@@ -24,15 +24,13 @@ gathered when used) or tensor parallelism (`mlp -> model`).
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
-from collections.abc import Iterator
 from typing import Any
 
 import jax
 
 from strategies import layout
+from strategies.tracing import Steering
 
 PyTree = Any
 #: The mesh axis experts are split over, and the logical name of the experts' axis.
@@ -154,20 +152,10 @@ def check_state(plan: ExpertPlan | None, abstract_state: PyTree) -> None:
     plan.check_experts(n, f"parameter {path}")
 
 
-_CURRENT: contextvars.ContextVar[ExpertPlan | None] = contextvars.ContextVar(
-    "expert_plan", default=None)
-
-
-def current() -> ExpertPlan | None:
-  """The expert plan a strategy set for the step being traced, or None."""
-  return _CURRENT.get()
-
-
-@contextlib.contextmanager
-def active(plan: ExpertPlan | None) -> Iterator[None]:
-  """The MoE feed-forward traced inside runs by `plan` (None: on the whole batch)."""
-  token = _CURRENT.set(plan)
-  try:
-    yield
-  finally:
-    _CURRENT.reset(token)
+#: The expert plan a strategy sets while tracing (the parameter check, not the trace,
+#: refuses a model without experts).
+STEERING: Steering[ExpertPlan] = Steering("expert")
+#: The expert plan a strategy set for the step being traced, or None.
+current = STEERING.current
+#: The MoE feed-forward traced inside runs by the given plan (None: on the whole batch).
+active = STEERING.active

@@ -29,26 +29,24 @@ after another on one device (a pipeline of one stage).
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
+from strategies.tracing import Steering
+
 PyTree = Any
 #: The mesh axis stages are laid out over, and the logical name of the stacked layer axis.
 STAGE_AXIS = "stage"
 LAYER = "layer"
 
-_CURRENT: contextvars.ContextVar[Pipeline | None] = contextvars.ContextVar(
-    "pipeline", default=None)
-#: The layer stacks pipelined while a step is traced (`requiring_stack`).
-_RUNS: contextvars.ContextVar[list | None] = contextvars.ContextVar("pipeline_runs", default=None)
+#: The pipeline a strategy sets while tracing; the layer stacks it ran (`requiring_stack`).
+STEERING: Steering[Pipeline] = Steering("pipeline")
 
 
 class PipelineError(ValueError):
@@ -194,8 +192,7 @@ class Pipeline:
       x: activations with a leading batch axis (a pytree).
     """
     S, M, R = self.stages, self.microbatches, self.repeats
-    if (runs := _RUNS.get()) is not None:
-      runs.append(self)
+    STEERING.record(self)
     num_layers = jax.tree.leaves(stacked)[0].shape[0]
     per = self.check_layers(num_layers)
     batch = jax.tree.leaves(x)[0].shape[0]
@@ -345,35 +342,15 @@ def requiring_stack(pipeline: Pipeline, fn: Callable) -> Callable:
   parameter check, but nothing would be pipelined: its layers would only be stored by
   stage and gathered for every use.
   """
-  def traced(*args):
-    token = _RUNS.set([])
-    try:
-      out = fn(*args)
-      ran = _RUNS.get()
-    finally:
-      _RUNS.reset(token)
-    if not ran:
-      raise PipelineError(
-          f"the mesh has a {pipeline.axis or STAGE_AXIS!r} axis, but the step ran no layer "
-          f"stack: parameters named {LAYER!r} by the model's own nn.scan (or a loop) are "
-          f"not pipelined. Mark the repeated layers with models.layer_stack.LayerStack "
-          f"(Linen) or NnxLayerStack (NNX).")
-    return out
-
-  return traced
+  return STEERING.requiring(fn, lambda: PipelineError(
+      f"the mesh has a {pipeline.axis or STAGE_AXIS!r} axis, but the step ran no layer "
+      f"stack: parameters named {LAYER!r} by the model's own nn.scan (or a loop) are "
+      f"not pipelined. Mark the repeated layers with models.layer_stack.LayerStack "
+      f"(Linen) or NnxLayerStack (NNX)."))
 
 
-def current() -> Pipeline | None:
-  """The pipeline a strategy set for the step being traced, or None."""
-  return _CURRENT.get()
-
-
-@contextlib.contextmanager
-def active(pipeline: Pipeline | None) -> Iterator[None]:
-  """Layer stacks traced inside run `pipeline` (None: as a scan)."""
-  token = _CURRENT.set(pipeline)
-  try:
-    yield
-  finally:
-    _CURRENT.reset(token)
+#: The pipeline a strategy set for the step being traced, or None.
+current = STEERING.current
+#: Layer stacks traced inside run the given pipeline (None: as a scan).
+active = STEERING.active
 

@@ -25,7 +25,7 @@ from trainer.sweep import plots, schedulers
 from trainer.sweep.lr_find import LrFind
 from trainer.sweep.members import Sweep
 from trainer.sweep.optimizer import single_model_opt_state
-from trainer.sweep.schedulers import Scheduler
+from trainer.sweep.scheduler_base import Scheduler
 from trainer.sweep.select import Selection
 
 if TYPE_CHECKING:  # Only annotations: clu's writers import TensorFlow (seconds).

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from trainer.sweep.optimizer import place_rows
-from trainer.sweep.schedulers import Decision, Scheduler
+from trainer.sweep.scheduler_base import Decision, Scheduler
 
 PyTree = Any
 

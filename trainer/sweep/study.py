@@ -27,351 +27,46 @@ ends once the study holds `n_trials` trials and every slot has finished.
   checkpoint replays its evaluations: a trial the study already holds as pruned
   or complete ends where it did, one that already reported at that step went on,
   and a slot refilled after the checkpoint takes the trial it was given then.
+
+The space and its checks are in `trainer.sweep.study_space`; the seeded sampler, the
+pruners and the storage in `trainer.sweep.study_optuna` (both re-exported here).
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
-import warnings
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import ml_collections
-import numpy as np
 
-from trainer.sweep.members import NOT_SWEPT, SWEPT, StudySweep, check_member
-from trainer.sweep.schedulers import Decision, Scheduler, _badness, halving_rungs
+from trainer.sweep.members import StudySweep
+from trainer.sweep.scheduler_base import Decision, Scheduler, _badness
+from trainer.sweep.study_optuna import (  # noqa: F401 -- this module's names before the split
+  JOURNAL,
+  StudyError,
+  asha_pruner,
+  make_pruner,
+  open_storage,
+  open_study,
+  storage_url,
+  trial_seed,
+  trial_seeded,
+)
+from trainer.sweep.study_space import (  # noqa: F401
+  PRUNERS,
+  SAMPLERS,
+  SPACE_KINDS,
+  check_config,
+  check_space,
+  distributions,
+  space_of,
+)
 
 if TYPE_CHECKING:
   import optuna
-
-#: `config.sweep.study.space` kinds: `(kind, ...)`.
-SPACE_KINDS = ("float", "log", "int", "categorical")
-#: `config.sweep.study.sampler` -> the `optuna.samplers` class.
-SAMPLERS = {"tpe": "TPESampler", "random": "RandomSampler", "cmaes": "CmaEsSampler",
-            "gp": "GPSampler", "qmc": "QMCSampler"}
-#: `config.sweep.study.pruner` values.
-PRUNERS = ("median", "successive_halving", "hyperband", "halving", "none")
-#: Swept names that hold integers.
-_INTEGER = ("warmup_steps",)
-#: The file a study lives in by default, in the workdir.
-JOURNAL = "study.journal"
-
-
-class StudyError(ValueError):
-  """A study that cannot serve this run: its storage, or what it holds."""
-
-
-def space_of(config: ml_collections.ConfigDict) -> dict[str, tuple]:
-  """`config.sweep.study.space`'s non-empty entries, name -> `(kind, ...)`."""
-  space = config.sweep.study.space
-  return {name: tuple(space[name]) for name in space if len(space[name])}
-
-
-def check_space(config: ml_collections.ConfigDict) -> dict[str, tuple]:
-  """The space, checked: every name sweepable, every distribution well formed and within
-  the values its name accepts.
-
-  Raises:
-    ValueError: naming the field, its value and what is accepted.
-  """
-  space = space_of(config)
-  for name, entry in space.items():
-    field = f"config.sweep.study.space.{name}={entry!r}"
-    if name not in SWEPT:
-      why = ("every trial starts from config.seed; run the study once per seed"
-             if name == "seed" else NOT_SWEPT)
-      raise ValueError(f"{field}: {name!r} cannot be swept; the names a study can vary are "
-                       f"{sorted(SWEPT)}: {why}.")
-    kind, *args = entry
-    if kind not in SPACE_KINDS:
-      raise ValueError(f"{field}: the kind {kind!r} is not one of {SPACE_KINDS} (e.g. "
-                       f"('log', 1e-4, 0.1), ('float', 0.0, 0.99), ('int', 0, 500), "
-                       f"('categorical', 0.9, 0.99)).")
-    if kind == "categorical":
-      if not args or not all(isinstance(a, (int, float)) for a in args):
-        raise ValueError(f"{field}: a categorical distribution is ('categorical', value, "
-                         f"...) with at least one number.")
-      values = args
-    else:
-      if len(args) != 2 or not all(isinstance(a, (int, float)) for a in args):
-        raise ValueError(f"{field}: a {kind!r} distribution is ({kind!r}, low, high).")
-      low, high = args
-      if low > high:
-        raise ValueError(f"{field}: low {low} is above high {high}.")
-      if kind == "log" and low <= 0:
-        raise ValueError(f"{field}: a log-uniform range must be above 0 (its low is {low}); "
-                         f"use ('float', {low}, {high}) to include it.")
-      if kind == "int" and not (float(low).is_integer() and float(high).is_integer()):
-        raise ValueError(f"{field}: an 'int' distribution's low and high are integers.")
-      if name in _INTEGER and kind != "int" and kind != "categorical":
-        raise ValueError(f"{field}: {name} holds whole steps; use ('int', low, high).")
-      values = (low, high)
-    for value in values:
-      try:
-        check_member({name: value})
-      except ValueError as e:
-        raise ValueError(f"{field}: {e}") from None
-  return space
-
-
-def distributions(space: Mapping[str, tuple]) -> dict[str, optuna.distributions.BaseDistribution]:
-  """Optuna's distribution for each name of the space."""
-  from optuna import distributions as d
-  out = {}
-  for name, (kind, *args) in space.items():
-    if kind == "categorical":
-      out[name] = d.CategoricalDistribution(tuple(args))
-    elif kind == "int":
-      out[name] = d.IntDistribution(int(args[0]), int(args[1]))
-    else:
-      out[name] = d.FloatDistribution(float(args[0]), float(args[1]), log=kind == "log")
-  return out
-
-
-def check_config(config: ml_collections.ConfigDict) -> None:
-  """Raises unless `config.sweep.study` can run (no storage is opened here).
-
-  Raises:
-    ValueError: naming the field, its value and what is accepted.
-  """
-  s = config.sweep
-  space = check_space(config)
-  if not space:
-    return
-  study = s.study
-  given = [f"sweep.{name}" for name in ("points", "seeds") if len(s[name])] + [
-      f"sweep.grid.{n}" for n in s.grid if len(s.grid[n])]
-  given += [f"sweep.scheduler={s.scheduler!r}"] if s.scheduler else []
-  given += ["sweep.lr_find"] if s.lr_find else []
-  if given:
-    raise ValueError(f"config.sweep.study.space makes an Optuna study the sweep's source of "
-                     f"configurations, so it cannot be combined with {given}; the study's "
-                     f"pruner (config.sweep.study.pruner, 'halving' for this project's "
-                     f"successive halving) stops trials.")
-  if not isinstance(study.n_trials, int) or study.n_trials < 1:
-    raise ValueError(f"config.sweep.study.n_trials={study.n_trials!r} must be an integer >= 1.")
-  if study.sampler not in SAMPLERS:
-    raise ValueError(f"config.sweep.study.sampler={study.sampler!r} is not a sampler Optuna "
-                     f"has; one of {sorted(SAMPLERS)} ({', '.join(SAMPLERS.values())}).")
-  if study.pruner not in PRUNERS:
-    raise ValueError(f"config.sweep.study.pruner={study.pruner!r} is not a pruner Optuna has "
-                     f"here; one of {PRUNERS} (halving: config.sweep.halving's rungs).")
-  if not isinstance(study.startup_trials, int) or study.startup_trials < 0:
-    raise ValueError(f"config.sweep.study.startup_trials={study.startup_trials!r} must be an "
-                     f"integer >= 0.")
-  if not study.name:
-    raise ValueError("config.sweep.study.name='' must name the study.")
-  every = config.eval_every_steps
-  if not isinstance(every, int) or every < 1:
-    raise ValueError(f"config.eval_every_steps={every!r}: a study's trials report at "
-                     f"evaluations, so it needs an integer >= 1.")
-  if study.pruner in ("successive_halving", "hyperband") and not float(
-      s.halving.reduction_factor).is_integer():
-    raise ValueError(f"config.sweep.halving.reduction_factor={s.halving.reduction_factor!r}: "
-                     f"Optuna's {study.pruner} pruner takes an integer factor.")
-
-
-# -- The sampler's randomness, per trial ----------------------------------------------------
-
-def trial_seed(seed: int, number: int) -> int:
-  """The seed of trial `number`'s draws: from the run's seed and the number only."""
-  return int(np.random.SeedSequence([int(seed), int(number)]).generate_state(1)[0])
-
-
-def _sampler_class(name: str) -> type:
-  import optuna
-  return getattr(optuna.samplers, SAMPLERS[name])
-
-
-def _make_sampler(name: str, seed: int) -> optuna.samplers.BaseSampler:
-  cls = _sampler_class(name)
-  with warnings.catch_warnings():  # constant_liar is marked experimental.
-    warnings.simplefilter("ignore", category=UserWarning)
-    if name == "tpe":  # Concurrent trials: the running ones count as (bad) observations.
-      return cls(seed=seed, constant_liar=True)
-    return cls(seed=seed)
-
-
-def trial_seeded(name: str, seed: int) -> optuna.samplers.BaseSampler:
-  """`SAMPLERS[name]` whose draws for trial n come from a generator seeded by
-  `trial_seed(seed, n)`: a sampler made for that trial alone, whatever this process
-  asked before (a restarted run, or another run on the study, asks the same)."""
-  import optuna
-
-  class TrialSeeded(optuna.samplers.BaseSampler):
-    """Delegates each trial to a sampler seeded for its number."""
-
-    def __init__(self):
-      self._for: dict[int, optuna.samplers.BaseSampler] = {}
-
-    def _inner(self, trial: Any) -> optuna.samplers.BaseSampler:
-      if trial.number not in self._for:
-        self._for[trial.number] = _make_sampler(name, trial_seed(seed, trial.number))
-      return self._for[trial.number]
-
-    def infer_relative_search_space(self, study, trial):
-      return self._inner(trial).infer_relative_search_space(study, trial)
-
-    def sample_relative(self, study, trial, search_space):
-      return self._inner(trial).sample_relative(study, trial, search_space)
-
-    def sample_independent(self, study, trial, param_name, param_distribution):
-      return self._inner(trial).sample_independent(study, trial, param_name,
-                                                   param_distribution)
-
-    def before_trial(self, study, trial):
-      self._inner(trial).before_trial(study, trial)
-
-    def after_trial(self, study, trial, state, values):
-      inner = self._for.pop(trial.number, None) or _make_sampler(name, 0)
-      inner.after_trial(study, trial, state, values)
-
-    def reseed_rng(self) -> None:  # The seed is the trial's: nothing to reseed.
-      pass
-
-  return TrialSeeded()
-
-
-# -- This project's successive halving as an Optuna pruner ----------------------------------
-
-def asha_pruner(rungs: Sequence[int], reduction_factor: float, maximize: bool
-                ) -> optuna.pruners.BasePruner:
-  """Asynchronous successive halving over the study's trials (`Halving`'s rule): a trial
-  that reaches a rung (its own steps) goes on only while its value there (its first report
-  at or after the rung) is in the top `1/reduction_factor` of every trial that has reached
-  it, ties to the earlier trial."""
-  import optuna
-
-  def at(trial: Any, rung: int) -> float | None:
-    steps = [s for s in trial.intermediate_values if s >= rung]
-    return trial.intermediate_values[min(steps)] if steps else None
-
-  class AshaPruner(optuna.pruners.BasePruner):
-    """This project's successive halving (`config.sweep.study.pruner='halving'`)."""
-
-    def prune(self, study, trial) -> bool:
-      step = trial.last_step
-      if step is None:
-        return False
-      before = max((s for s in trial.intermediate_values if s < step), default=-1)
-      passed = [r for r in rungs if before < r <= step]
-      if not passed:
-        return False
-      rung = passed[-1]
-      ranked = []
-      for other in study.get_trials(deepcopy=False):
-        value = at(other, rung)
-        if value is not None:
-          ranked.append((_badness(value, "max" if maximize else "min"), other.number))
-      ranked.sort()
-      keep = max(1, math.ceil(len(ranked) / reduction_factor))
-      return trial.number not in [n for _, n in ranked[:keep]]
-
-  return AshaPruner()
-
-
-def make_pruner(config: ml_collections.ConfigDict, budget: int) -> optuna.pruners.BasePruner:
-  """The pruner `config.sweep.study.pruner` names, for trials of `budget` steps: its first
-  rung `sweep.halving.min_steps` (0: `eval_every_steps`), its factor
-  `sweep.halving.reduction_factor`."""
-  import optuna
-  s = config.sweep
-  name, first = s.study.pruner, s.halving.min_steps or config.eval_every_steps
-  if name == "median":
-    return optuna.pruners.MedianPruner(n_startup_trials=s.study.startup_trials,
-                                       n_warmup_steps=first)
-  if name == "successive_halving":
-    return optuna.pruners.SuccessiveHalvingPruner(
-        min_resource=first, reduction_factor=int(s.halving.reduction_factor))
-  if name == "hyperband":
-    return optuna.pruners.HyperbandPruner(min_resource=first, max_resource=max(budget, first),
-                                          reduction_factor=int(s.halving.reduction_factor))
-  if name == "halving":
-    return asha_pruner(halving_rungs(config, budget), s.halving.reduction_factor,
-                       s.mode == "max")
-  return optuna.pruners.NopPruner()
-
-
-# -- The storage ----------------------------------------------------------------------------
-
-def storage_url(config: ml_collections.ConfigDict, workdir: str | None) -> str:
-  """Where the study lives: `config.sweep.study.storage`, or the journal file in `workdir`."""
-  given = config.sweep.study.storage
-  if given:
-    return given
-  if not workdir:
-    raise StudyError("config.sweep.study.storage='' keeps the study in the workdir "
-                     f"(<workdir>/{JOURNAL}), and this run has none: pass fit(workdir=...) or "
-                     "name a storage.")
-  return os.path.join(workdir, JOURNAL)
-
-
-def open_storage(url: str) -> Any:
-  """The Optuna storage at `url`: a database URL (`dialect://...`) or a journal file path.
-
-  Raises:
-    StudyError: naming the URL, with the database's own error kept as the cause.
-  """
-  import optuna
-  try:
-    if "://" in url:
-      return optuna.storages.RDBStorage(url)
-    directory = os.path.dirname(os.path.abspath(url))
-    os.makedirs(directory, exist_ok=True)
-    backend = optuna.storages.journal.JournalFileBackend(url)
-    return optuna.storages.JournalStorage(backend)
-  except Exception as e:  # noqa: BLE001 -- any driver's error, named and kept.
-    raise StudyError(f"config.sweep.study.storage={url!r} cannot be opened: "
-                     f"{type(e).__name__}: {e}") from e
-
-
-def _space_record(space: Mapping[str, tuple]) -> dict[str, list]:
-  return {name: list(entry) for name, entry in sorted(space.items())}
-
-
-def open_study(config: ml_collections.ConfigDict, workdir: str | None, *,
-               pruner: optuna.pruners.BasePruner) -> optuna.Study:
-  """The study `config.sweep.study` names, created or loaded, with its seeded sampler.
-
-  Raises:
-    StudyError: the storage cannot be opened, or the study there was made for another
-      direction or search space.
-  """
-  import optuna
-  s = config.sweep
-  url = storage_url(config, workdir)
-  storage = open_storage(url)
-  direction = "maximize" if s.mode == "max" else "minimize"
-  space = _space_record(space_of(config))
-  try:
-    study = optuna.create_study(storage=storage, study_name=s.study.name, direction=direction,
-                                sampler=trial_seeded(s.study.sampler, config.seed),
-                                pruner=pruner, load_if_exists=True)
-  except Exception as e:  # noqa: BLE001
-    raise StudyError(f"config.sweep.study.storage={url!r}: study {s.study.name!r} cannot be "
-                     f"created or loaded: {type(e).__name__}: {e}") from e
-  saved = study.user_attrs.get("sweep_space")
-  if study.direction.name.lower() != direction:
-    raise StudyError(f"study {s.study.name!r} in {url!r} was created to "
-                     f"{study.direction.name.lower()}, but config.sweep.mode={s.mode!r} "
-                     f"asks to {direction}; name another study (config.sweep.study.name) or "
-                     f"set the mode it was made with.")
-  if saved is None:
-    if study.trials:
-      raise StudyError(f"study {s.study.name!r} in {url!r} holds {len(study.trials)} trials "
-                       f"that no sweep made (no 'sweep_space' attribute); name another study.")
-    study.set_user_attr("sweep_space", space)
-    study.set_user_attr("sweep_metric", s.metric)
-  elif json.dumps(saved, sort_keys=True) != json.dumps(space, sort_keys=True):
-    raise StudyError(f"study {s.study.name!r} in {url!r} was created with the search space "
-                     f"{saved}, but config.sweep.study.space is {space}; a resumed or shared "
-                     f"study keeps its space: name another study (config.sweep.study.name).")
-  return study
-
 
 # -- The scheduler ----------------------------------------------------------------------------
 
