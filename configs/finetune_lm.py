@@ -5,12 +5,13 @@ r"""Fine-tuning a Hugging Face-format language model on a text file (examples/fi
 
 `config.init_from.path` names the pretrained model: an HF directory (`config.json` +
 `model.safetensors`, or the sharded index form) of a family with a mapping (`gpt2`,
-`llama`, `mistral`, `qwen2`, `qwen3`); `config.model` is then read from its
-`config.json`. Empty, the example writes a small randomly initialised GPT-2 in HF format
+`llama`, `mistral`, `qwen2`, `qwen3`, `mixtral`, `qwen3_moe`:
+`trainer.interop.families.FAMILIES`); `config.model` is then read from its `config.json`.
+Empty, the example writes a small randomly initialised GPT-2 in HF format
 into the workdir and starts from that.
 
 Variants: `full` (every weight trains, FSDP over the devices) and `lora` (rank-8
-adapters on the attention and MLP kernels, everything else frozen), for either family
+adapters on the attention and MLP kernels, everything else frozen), for any of them
 (`--config.model.family=llama` makes the local base model a Llama).
 """
 

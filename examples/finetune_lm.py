@@ -4,8 +4,9 @@ r"""Fine-tunes a Hugging Face-format language model on a text file, samples from
     python examples/finetune_lm.py --workdir=/tmp/finetune \
         --config.init_from.path=/path/to/hf_model --text=notes.txt
 
-- The model: `--config.init_from.path` names an HF model directory (GPT-2 or
-  Llama family); its `config.json` sets `config.model`. Without one, a small
+- The model: `--config.init_from.path` names an HF model directory of one of the
+  seven families with a mapping (`trainer.interop.families.FAMILIES`); its
+  `config.json` sets `config.model`. Without one, a small
   randomly initialised GPT-2 is written in HF format to `<workdir>/base` first.
 - The tokenizer: `--tokenizer` (a `tokenizer.json`), else the model directory's
   own `tokenizer.json`, else a byte-level BPE trained here on the text with the

@@ -53,6 +53,20 @@ def _order(length: int) -> np.ndarray:
   return np.arange(length) if plan is None else plan.order(length)
 
 
+def check_length(length: int, max_len: int) -> None:
+  """Raises unless rows of `length` tokens fit a model of `max_len` positions (every
+  family checks its input with this before anything is computed).
+
+  Raises:
+    ValueError: naming the batch's row length and `config.model.max_len`.
+  """
+  if length > max_len:
+    raise ValueError(
+        f"the batch's rows hold {length} tokens (its sequence length, packed or not), more "
+        f"than the model's max_len={max_len} (config.model.max_len); set "
+        f"config.model.max_len >= {length}, or make the rows at most {max_len} tokens.")
+
+
 def sequence_positions(batch: int, length: int) -> jax.Array:
   """`[batch, length]` int32: the position in the sequence of each token as the model holds
   it (the load-balanced context layout holds them out of order)."""

@@ -22,7 +22,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from models.attention import attention, sequence_positions
+from models.attention import attention, check_length, sequence_positions
 from models.layer_stack import LayerStack
 from models.vocab import mask_padding, padded_size
 
@@ -149,8 +149,7 @@ class GPT2LM(nn.Module):
   def __call__(self, tokens: jax.Array, segment_ids: jax.Array | None = None,
                positions: jax.Array | None = None, train: bool = False) -> jax.Array:
     length = tokens.shape[1]
-    if length > self.max_len:
-      raise ValueError(f"sequence length {length} exceeds max_len={self.max_len}")
+    check_length(length, self.max_len)
     if self.embed_dim % self.num_heads:
       raise ValueError(f"embed_dim={self.embed_dim} must be a multiple of "
                        f"num_heads={self.num_heads}")

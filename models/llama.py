@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.attention import attention, sequence_positions
+from models.attention import attention, check_length, sequence_positions
 from models.layer_stack import NnxLayerStack
 from models.moe import MoeFeedForward, MoeOutput, RouterStats
 from models.vocab import mask_padding, padded_size
@@ -211,8 +211,7 @@ class LlamaLM(nnx.Module):
     """Logits of `tokens` (with the router's statistics, `MoeOutput`, for a mixture of
     experts); a packed batch passes `segment_ids` (each token's document, 0: padding) and
     `positions` (each token's place in its document)."""
-    if tokens.shape[1] > self.max_len:
-      raise ValueError(f"sequence length {tokens.shape[1]} exceeds max_len={self.max_len}")
+    check_length(tokens.shape[1], self.max_len)
     if positions is None:
       positions = sequence_positions(*tokens.shape)
     if segment_ids is None:

@@ -3,7 +3,8 @@ chosen experts only.
 
 A block replaces its MLP with `MoeFeedForward` (NNX) or `MoeMlp` (Linen). Both hold
 
-- `router/kernel [embed, experts]`: each token's logits over the experts; the router
+- `router/kernel [embed, None]` (the expert dimension unnamed: every device holds the
+  whole router): each token's logits over the experts; the router
   takes a softmax over all of them and keeps the `top_k` largest, renormalised over the
   chosen k when `normalize` (Mixtral's routing; Qwen3-MoE's `norm_topk_prob`);
 - `gate_proj`, `up_proj [expert, embed, mlp]` and `down_proj [expert, mlp, embed]`: the

@@ -12,7 +12,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from models.attention import attention, sequence_positions
+from models.attention import attention, check_length, sequence_positions
 from models.layer_stack import LayerStack
 from models.moe import MoeMlp, MoeOutput, RouterStats
 from models.vocab import mask_padding, padded_size
@@ -117,8 +117,7 @@ class TransformerLM(nn.Module):
   def __call__(self, tokens: jax.Array, segment_ids: jax.Array | None = None,
                positions: jax.Array | None = None) -> jax.Array | MoeOutput:
     length = tokens.shape[1]
-    if length > self.max_len:
-      raise ValueError(f"sequence length {length} exceeds max_len={self.max_len}")
+    check_length(length, self.max_len)
     rows = padded_size(self.vocab_size, self.vocab_multiple)
     x = nn.Embed(rows, self.embed_dim, name="token_embedding",
                  embedding_init=_param(_init, ("vocab", "embed")))(tokens)

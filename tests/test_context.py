@@ -214,7 +214,8 @@ def test_bad_segment_ids_are_refused_before_the_step():
   with pytest.raises(packing.PackingError, match=f"train batch for step 0.*row {row}"):
     trainer.fit([cases[0][0]], num_steps=1, state=state)
   long = _config(**{"strategy.name": "single_device", "seq_len": 32})
-  with pytest.raises(ValueError, match="sequence length 32 exceeds max_len=16"):
+  with pytest.raises(ValueError, match=r"the batch's rows hold 32 tokens .* more than the "
+                     r"model's max_len=16 \(config.model.max_len\)"):
     LanguageModelTrainer(long).init_state(_packed(long)[0])
 
 
@@ -223,8 +224,8 @@ def test_bad_segment_ids_are_refused_before_the_step():
 
 def test_a_length_that_does_not_split_is_refused_naming_the_field():
   config = _config("context", **{"seq_len": 12, "model.max_len": 16})
-  with pytest.raises(ContextError, match=r"sequence length 12 \(config.seq_len\) does not "
-                                         r"split into 2 x context = 16 equal chunks"):
+  with pytest.raises(ContextError, match=r"the batch's sequence length 12 \(the length of "
+                     r"its rows\) does not split into 2 x context = 16 equal chunks"):
     LanguageModelTrainer(config).init_state(_batches(config, 1)[0])
   config.strategy.context.update(method="ring", load_balance=False)  # 8 blocks: not 12.
   with pytest.raises(ContextError, match="context = 8 equal blocks"):

@@ -58,3 +58,42 @@ def test_jax_stack_dependencies_are_bounded_and_hold_the_installed_versions():
     assert newest in spec, (name, str(spec), str(newest))
     assert (bound.major, bound.minor) == (newest.major, newest.minor + 1), (name, str(spec))
     assert installed in spec, f"installed {name} {installed} is outside {spec}"
+
+
+# -- What the docs say of the code, checked against it --------------------------------------
+
+def _docstring_families(text):
+  import re
+  return set(re.findall(r"`(gpt2|llama|mistral|qwen2|qwen3|mixtral|qwen3_moe)`", text))
+
+
+def test_every_list_of_the_families_names_all_that_export():
+  from trainer.interop import families
+  every = set(families.FAMILIES)
+  assert len(every) == 7
+  for path in ("trainer/export.py", "configs/finetune_lm.py"):
+    named = _docstring_families((ROOT / path).read_text())
+    assert named == every, f"{path} names {sorted(named)}, not every family {sorted(every)}"
+
+
+def test_the_moe_guide_names_the_routers_axes_as_the_code_annotates_them():
+  import re
+
+  import flax.linen as nn
+  import jax
+  import jax.numpy as jnp
+
+  from models.moe import MoeMlp
+  module = MoeMlp(mlp_dim=8, num_experts=4)
+  abstract = jax.eval_shape(module.init, jax.random.PRNGKey(0), jnp.zeros((1, 2, 6)))
+  names = tuple(nn.get_partition_spec(abstract)["params"]["router"])
+  guide = (ROOT / "docs" / "guides" / "moe.md").read_text()
+  (said,) = re.findall(r"`router \[([^\]]+)\]`", guide)
+  assert tuple(None if n.strip() == "None" else n.strip() for n in said.split(",")) == names
+
+
+def test_the_guides_say_predict_returns_probabilities():
+  guides = "\n".join(p.read_text() for p in (ROOT / "docs").rglob("*.md"))
+  assert "`trainer.predict(state, batch)` returns" in guides
+  said = guides.split("`trainer.predict(state, batch)` returns", 1)[1][:300]
+  assert "probabilities" in said and "not logits" in said

@@ -5,7 +5,8 @@ r"""Writes a run's model as a Hugging Face checkpoint: `config.json` + `model.sa
 
 The checkpoint may come from any strategy (an ensemble's or a sweep's: pick the
 member with `--member`); the model must be of a family with a mapping
-(`config.model.family`: `gpt2`, `llama`). The model's fields come from the run's
+(`config.model.family`: one of `trainer.interop.families.FAMILIES`, `gpt2`, `llama`,
+`mistral`, `qwen2`, `qwen3`, `mixtral`, `qwen3_moe`). The model's fields come from the run's
 config: `--config` (a JSON config, as `examples/finetune_lm.py` writes to
 `<workdir>/config.json`, or a sweep's `sweep_best_config.json`), by default
 `<workdir>/config.json`. LoRA adapters (`config.lora`) are merged into their

@@ -380,7 +380,9 @@ class Trainer(abc.ABC):
     return self.evaluator.evaluate(state, batches)
 
   def predict(self, state: TrainState, batch: Batch) -> np.ndarray:
-    """Host predictions for a batch of any size (ensemble means for ensembles)."""
+    """Host predictions for a batch of any size: the `prediction` hook of the outputs,
+    probabilities by default (a softmax, not the logits); the members' mean for an
+    ensemble."""
     return self.evaluator.predict(state, batch)
 
   def restore_checkpoint(self, checkpointer: Checkpointer, example_batch: Batch, *,
