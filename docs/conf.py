@@ -15,11 +15,12 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "docs" / "_ext"))
 
-# The notebook prepares MNIST with TFDS: offline from the four IDX files where this
-# checkout has them beside it (CI and these machines have no other network).
-_MNIST_FILES = ROOT.parent / "shared" / "data" / "mnist"
-if _MNIST_FILES.is_dir():
-  os.environ.setdefault("TFDS_MANUAL_DIR", str(_MNIST_FILES))
+# The notebook prepares MNIST with TFDS: offline from the four IDX files that the docs
+# command names (`TFDS_MANUAL_DIR=../shared/data/mnist`, as the README's first command
+# names them), else by download. The notebook runs in docs/notebooks/, so a relative
+# directory is made absolute here, from where the command was started.
+if os.environ.get("TFDS_MANUAL_DIR"):
+  os.environ["TFDS_MANUAL_DIR"] = os.path.abspath(os.environ["TFDS_MANUAL_DIR"])
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 project = "flax-trainer"

@@ -177,12 +177,44 @@ def last_step(command: str) -> str:
   return steps(command)[-1]
 
 
+#: What a user's shell holds that a documented command may rely on. Nothing else of the
+#: tests' environment reaches one: a variable the tests (or this machine) set would hide a
+#: step the documented command must take itself, as a data directory named by the test
+#: once hid that the docs command did not name MNIST's files.
+SHELL_VARIABLES = ("PATH", "LANG", "LC_ALL", "LC_CTYPE", "TERM", "USER", "LOGNAME", "SHELL",
+                   "TMPDIR")
+#: The tests' own variables that still reach a command: JAX's persistent compilation cache
+#: (`tests/conftest.py`), which changes how long a program compiles, never what it computes.
+CACHE_VARIABLES = ("JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS")
+
+
+def assignments(step: str) -> tuple[dict[str, str], str]:
+  """A step's leading `NAME=value` words (what the shell puts in the command's
+  environment), and the rest of the step."""
+  words, env = shlex.split(step), {}
+  while words and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*=.*", words[0]):
+    name, value = words.pop(0).split("=", 1)
+    env[name] = value
+  return env, shlex.join(words)
+
+
 @dataclasses.dataclass
 class Runner:
-  """Runs documented commands from the repository root with their `/tmp/` paths under `root`."""
+  """Runs documented commands from the repository root with their `/tmp/` paths under `root`,
+  as a user's fresh shell would: `SHELL_VARIABLES` and a home of its own (`root/home`, so
+  TFDS's data directory `~/tensorflow_datasets` starts empty), plus what the command sets."""
 
   root: pathlib.Path
-  data_dir: pathlib.Path  # TFDS_DATA_DIR: where the first command prepares MNIST.
+
+  @property
+  def home(self) -> pathlib.Path:
+    return self.root / "home"
+
+  @property
+  def data_dir(self) -> pathlib.Path:
+    """TFDS's default data directory in this runner's home: where the first command
+    prepares MNIST, and the later ones read it."""
+    return self.home / "tensorflow_datasets"
 
   def path(self, documented: str) -> pathlib.Path:
     """Where a documented `/tmp/...` path lives in this test run."""
@@ -190,8 +222,9 @@ class Runner:
 
   def argv(self, command: str, extra: list[str] | None = None, step: str | None = None
            ) -> list[str]:
-    """The argv of `step` (default: the command's last), paths moved, `extra` appended."""
-    program, *args = shlex.split(step or last_step(command))
+    """The argv of `step` (default: the command's last), paths moved, `extra` appended
+    (its leading `NAME=value` words are the environment's: `env`)."""
+    program, *args = shlex.split(assignments(step or last_step(command))[1])
     # Only the command's own arguments move: this interpreter may itself live under /tmp/.
     args = [re.sub(r"(^|=)/tmp/(\S*)", lambda m: m.group(1) + str(self.path(m.group(2))), a)
             for a in args]
@@ -205,22 +238,27 @@ class Runner:
           if f"--config={config}" in args for flag in flags]
     return [program, *args, *extra]
 
-  def env(self) -> dict[str, str]:
-    env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)  # Each entry point makes its own devices, as for a user.
-    env["TFDS_DATA_DIR"] = str(self.data_dir)
-    env.pop("TF_CPP_MIN_LOG_LEVEL", None)  # As a user runs it: the console's own policy.
+  def env(self, step: str = "") -> dict[str, str]:
+    """A fresh shell's environment (`SHELL_VARIABLES`, this runner's home, the compilation
+    cache), with what `step` itself sets."""
+    self.home.mkdir(parents=True, exist_ok=True)
+    env = {name: os.environ[name] for name in SHELL_VARIABLES + CACHE_VARIABLES
+           if name in os.environ}
+    env["HOME"] = str(self.home)
+    env.update(assignments(step)[0])
     return env
 
   def run(self, command: str, extra: list[str] | None = None, timeout: float = 900,
           step: str | None = None) -> subprocess.CompletedProcess:
     """Runs `step` of `command` (default: its last) with `extra` flags, or the few-step
     ones."""
-    return subprocess.run(self.argv(command, extra, step), cwd=ROOT, env=self.env(),
+    step = step or last_step(command)
+    return subprocess.run(self.argv(command, extra, step), cwd=ROOT, env=self.env(step),
                           capture_output=True, text=True, timeout=timeout)
 
   def popen(self, command: str, extra: list[str], step: str | None = None) -> subprocess.Popen:
-    return subprocess.Popen(self.argv(command, extra, step), cwd=ROOT, env=self.env(),
+    step = step or last_step(command)
+    return subprocess.Popen(self.argv(command, extra, step), cwd=ROOT, env=self.env(step),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 

@@ -22,7 +22,7 @@ def test_the_doc_commands_are_found():
 def test_documented_paths_move_but_not_the_interpreter(tmp_path, monkeypatch):
   # CI's clone, and so its interpreter, may itself live under /tmp/.
   monkeypatch.setattr(docs.sys, "executable", "/tmp/ci/main/.venv/bin/python")
-  runner = docs.Runner(root=tmp_path, data_dir=tmp_path / "tfds")
+  runner = docs.Runner(root=tmp_path)
   argv = runner.argv(".venv/bin/python examples/x.py --workdir=/tmp/run/a --logdir /tmp/b",
                      extra=["--steps", "1"])
   assert argv == ["/tmp/ci/main/.venv/bin/python", "examples/x.py",
@@ -41,6 +41,29 @@ def test_each_mnist_command_works_on_its_own():
   assert len(mnist) >= 5
   assert all("--config.data.manual_dir=../shared/data/mnist" in c for c in mnist), [
       c for c in mnist if "manual_dir" not in c]
+
+
+def test_the_docs_command_names_the_mnist_files_as_the_first_command_does():
+  # Its notebook prepares MNIST: on a machine with no network and an empty TFDS data
+  # directory, only the files the command names make that possible.
+  (command,) = [c for c in docs.commands() if docs.is_docs_command(c)]
+  build = next(s for s in docs.steps(command) if "sphinx-build" in s)
+  env, rest = docs.assignments(build)
+  assert env == {"TFDS_MANUAL_DIR": "../shared/data/mnist"}
+  assert rest.startswith(".venv/bin/sphinx-build ")
+
+
+def test_a_documented_command_gets_a_fresh_shells_environment(tmp_path, monkeypatch):
+  # Nothing the tests (or this machine) set reaches it: no TFDS directories, no XLA flags.
+  for name in ("TFDS_MANUAL_DIR", "TFDS_DATA_DIR", "XLA_FLAGS", "TF_CPP_MIN_LOG_LEVEL"):
+    monkeypatch.setenv(name, "/from/the/tests")
+  runner = docs.Runner(root=tmp_path)
+  env = runner.env("A=1 B='two words' .venv/bin/python examples/x.py")
+  assert env["HOME"] == str(tmp_path / "home") and not runner.data_dir.exists()
+  assert env["A"] == "1" and env["B"] == "two words"
+  assert set(env) <= {"HOME", "A", "B", *docs.SHELL_VARIABLES, *docs.CACHE_VARIABLES}
+  assert runner.argv("x && A=1 .venv/bin/python examples/x.py", extra=[]) == [
+      docs.sys.executable, "examples/x.py"]
 
 
 def test_the_docs_pages_commands_are_among_them():

@@ -2,9 +2,9 @@
 cross-reference, a public module or name missing from the API reference, a notebook cell
 that fails), serves it, and a real headless browser shows the getting-started page.
 
-The build executes the MNIST ensemble notebook on the real MNIST files, in the data
-directory where the README's first command prepared them (`real_mnist_run`), as a user's
-build would find them after running it.
+The build executes the MNIST ensemble notebook on the real MNIST files, which the docs
+command names (`TFDS_MANUAL_DIR`), in a fresh shell's environment (`doc_commands.Runner`):
+an empty TFDS data directory and none of the tests' variables, as on a new machine.
 """
 
 import dataclasses
@@ -31,12 +31,13 @@ class Site:
 
 
 @pytest.fixture(scope="module")
-def site(tmp_path_factory, doc_runner, real_mnist_run) -> Site:
-  """The README's docs command's build step, run as written (its `/tmp/` path moved)."""
-  del real_mnist_run  # Has prepared MNIST in doc_runner.data_dir (and is done writing).
+def site(tmp_path_factory) -> Site:
+  """The README's docs command's build step, run as written (its `/tmp/` path moved), in
+  a fresh shell's environment: an empty TFDS data directory, no variable of the tests'."""
   command = next(c for c in docs.commands([docs.README]) if docs.is_docs_command(c))
   build = next(s for s in docs.steps(command) if "sphinx-build" in s)
-  runner = docs.Runner(root=tmp_path_factory.mktemp("docs"), data_dir=doc_runner.data_dir)
+  runner = docs.Runner(root=tmp_path_factory.mktemp("docs"))
+  assert not runner.data_dir.exists()
   result = runner.run(command, extra=[], step=build, timeout=1200)
   html = runner.path(re.search(r"\s/tmp/(\S+)", build).group(1))
   return Site(command, html, result)
@@ -107,7 +108,7 @@ def served(site):
     pytest.skip("the docs did not build")
   serve = docs.steps(site.command)[-1]
   assert "http.server" in serve and serve.split()[-1] == "8000"
-  runner = docs.Runner(root=site.html.parent, data_dir=site.html.parent)
+  runner = docs.Runner(root=site.html.parent)
   argv = runner.argv(site.command, extra=[], step=serve)[:-1] + ["0", "--bind", "127.0.0.1"]
   env = {**runner.env(), "PYTHONUNBUFFERED": "1"}  # Its "Serving HTTP on ... port" line.
   server = subprocess.Popen(argv, cwd=docs.ROOT, stdout=subprocess.PIPE,
