@@ -17,10 +17,11 @@ sys.path.insert(0, str(ROOT / "docs" / "_ext"))
 
 # The notebook prepares MNIST with TFDS: offline from the four IDX files that the docs
 # command names (`TFDS_MANUAL_DIR=../shared/data/mnist`, as the README's first command
-# names them), else by download. The notebook runs in docs/notebooks/, so a relative
-# directory is made absolute here, from where the command was started.
+# names them), else by download. The README's commands run from the repository root, and
+# Sphinx reads this file from docs/ and runs the notebook in docs/notebooks/, so a
+# relative directory is taken from the repository root.
 if os.environ.get("TFDS_MANUAL_DIR"):
-  os.environ["TFDS_MANUAL_DIR"] = os.path.abspath(os.environ["TFDS_MANUAL_DIR"])
+  os.environ["TFDS_MANUAL_DIR"] = str(ROOT / os.path.expanduser(os.environ["TFDS_MANUAL_DIR"]))
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 project = "flax-trainer"

@@ -203,7 +203,7 @@ def from_mesh(mesh_shape: dict[str, int], rules, batch_axes: tuple[str, ...],
 
 
 #: The context plan a strategy sets while tracing; the attention calls traced under it.
-STEERING: Steering[ContextPlan] = Steering("context")
+STEERING = Steering("context")  # Its plan: a `ContextPlan`.
 #: The context plan a strategy set for the step being traced, or None.
 current = STEERING.current
 #: Attention traced inside runs by the given plan (None: plain attention).

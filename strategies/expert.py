@@ -154,7 +154,7 @@ def check_state(plan: ExpertPlan | None, abstract_state: PyTree) -> None:
 
 #: The expert plan a strategy sets while tracing (the parameter check, not the trace,
 #: refuses a model without experts).
-STEERING: Steering[ExpertPlan] = Steering("expert")
+STEERING = Steering("expert")  # Its plan: an `ExpertPlan`.
 #: The expert plan a strategy set for the step being traced, or None.
 current = STEERING.current
 #: The MoE feed-forward traced inside runs by the given plan (None: on the whole batch).

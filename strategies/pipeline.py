@@ -46,7 +46,7 @@ STAGE_AXIS = "stage"
 LAYER = "layer"
 
 #: The pipeline a strategy sets while tracing; the layer stacks it ran (`requiring_stack`).
-STEERING: Steering[Pipeline] = Steering("pipeline")
+STEERING = Steering("pipeline")  # Its plan: a `Pipeline`.
 
 
 class PipelineError(ValueError):

@@ -24,12 +24,10 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from collections.abc import Callable, Iterator
-from typing import Any, Generic, TypeVar
-
-Plan = TypeVar("Plan")
+from typing import Any
 
 
-class Steering(Generic[Plan]):
+class Steering:
   """One plan a strategy sets while tracing, and what the model did with it.
 
   Args:
@@ -38,17 +36,17 @@ class Steering(Generic[Plan]):
 
   def __init__(self, name: str):
     self.name = name
-    self._plan: contextvars.ContextVar[Plan | None] = contextvars.ContextVar(
+    self._plan: contextvars.ContextVar[Any] = contextvars.ContextVar(
         f"{name}_plan", default=None)
     self._uses: contextvars.ContextVar[list | None] = contextvars.ContextVar(
         f"{name}_uses", default=None)
 
-  def current(self) -> Plan | None:
+  def current(self) -> Any:
     """The plan a strategy set for the step being traced, or None."""
     return self._plan.get()
 
   @contextlib.contextmanager
-  def active(self, plan: Plan | None) -> Iterator[None]:
+  def active(self, plan: Any) -> Iterator[None]:
     """Shared layers traced inside read `plan` (None: they run unsteered); the previous
     plan is back on exit."""
     token = self._plan.set(plan)

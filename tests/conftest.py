@@ -9,9 +9,21 @@ import pathlib
 import re
 import subprocess
 import tempfile
+import time
 
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+#: XLA:CPU options of the tests alone. LLVM's optimisation level 1 for the backend (XLA's
+#: own HLO passes, fusion among them, still run) compiles the tests' programs in about 0.8
+#: of the time (the transformer LM's FSDP step with its first 3 steps: 7.1 s against 8.8 s
+#: here), and their tiny shapes run in milliseconds either way. Level 0 was faster still
+#: (5.3 s) but changed the last bit of one of 256 parameters between a k-steps-a-call
+#: program and the one-step one (tests/test_steps_per_call.py holds them bitwise equal), so
+#: it is not used. Each equivalence compares programs compiled with the same options and
+#: takes its tolerance from the computation (`numerics.py`), so it still holds; the
+#: documented commands run without these options (`doc_commands.Runner`), as a user runs them.
+TEST_XLA_FLAGS = ("--xla_force_host_platform_device_count=8",
+                  "--xla_backend_optimization_level=1")
+os.environ["XLA_FLAGS"] = " ".join(
+    [os.environ.get("XLA_FLAGS", ""), *TEST_XLA_FLAGS]).strip()
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 # JAX's persistent compilation cache, shared by both xdist workers and every subprocess the
 # tests start (README commands, launched processes inherit the environment): the same
@@ -146,7 +158,7 @@ def doc_runner(tmp_path_factory):
   base = tmp_path_factory.getbasetemp()
   root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "doc_commands"
   root.mkdir(exist_ok=True)
-  return doc_commands.Runner(root=root, data_dir=root / "tfds")
+  return doc_commands.Runner(root=root)
 
 
 @dataclasses.dataclass
@@ -162,8 +174,8 @@ def real_mnist_run(doc_runner) -> RealMnistRun:
 
   Installing is what CI's own `.ci/run` does; this runs what the command
   then runs: the flagship example with `--config.data.manual_dir` pointing at
-  the IDX files, so TFDS prepares MNIST from them (into the session's
-  TFDS_DATA_DIR, which the README's later commands then read).
+  the IDX files, so TFDS prepares MNIST from them (into the runner's home's
+  `~/tensorflow_datasets`, which the README's later commands then read).
   """
   if not all((doc_commands.MNIST_DIR / f).is_file()
              for f in data_lib.MNIST_FILES):
@@ -199,6 +211,71 @@ LONGEST_FIRST = ("test_doc_commands_mnist.py", "test_doc_commands.py", "test_doc
                  "test_multiprocess.py", "test_research_models.py", "test_ensemble.py",
                  "test_moe.py", "test_study.py", "test_recipe.py", "test_checkpoint.py",
                  "test_equivalence.py")
+
+
+# -- Where the suite's time goes: FLAX_TRAINER_TIME_REPORT=<dir> (opt-in) --------------------
+
+#: Per test file: its tests' wall seconds, and the programs XLA compiled for them (count and
+#: seconds) or read from the persistent cache, in this pytest process (not in the
+#: subprocesses its tests start). Each process writes `<dir>/<worker>.json`; the controller
+#: merges them into `<dir>/report.md`.
+_TIME_REPORT = os.environ.get("FLAX_TRAINER_TIME_REPORT")
+_CURRENT_FILE = ["(collection)"]
+_TIMES: dict = {}
+
+
+def _count(key: str, value: float = 1.0) -> None:
+  entry = _TIMES.setdefault(_CURRENT_FILE[0], {})
+  entry[key] = entry.get(key, 0.0) + value
+
+
+if _TIME_REPORT:
+  jax.monitoring.register_event_duration_secs_listener(
+      lambda event, seconds, **_: (_count("compile_s", seconds), _count("compiled"))
+      if event == "/jax/core/compile/backend_compile_duration" else None)
+  jax.monitoring.register_event_listener(
+      lambda event, **_: _count("cache_hits")
+      if event == "/jax/compilation_cache/cache_hits" else None)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+  del nextitem
+  _CURRENT_FILE[0] = item.path.name
+  start = time.perf_counter()
+  yield
+  if _TIME_REPORT:
+    _count("wall_s", time.perf_counter() - start)
+    _count("tests")
+
+
+def pytest_sessionfinish(session):
+  if not _TIME_REPORT:
+    return
+  out = pathlib.Path(_TIME_REPORT)
+  out.mkdir(parents=True, exist_ok=True)
+  worker = os.environ.get("PYTEST_XDIST_WORKER")
+  if worker:
+    (out / f"{worker}.json").write_text(json.dumps(_TIMES))
+    return
+  merged: dict = {}
+  for part in [*out.glob("gw*.json"), *([] if _TIMES.keys() <= {"(collection)"} else [None])]:
+    times = _TIMES if part is None else json.loads(part.read_text())
+    for name, entry in times.items():
+      for key, value in entry.items():
+        merged.setdefault(name, {}).setdefault(key, 0.0)
+        merged[name][key] += value
+  rows = sorted(merged.items(), key=lambda kv: -kv[1].get("wall_s", 0.0))
+  total = {k: sum(e.get(k, 0.0) for _, e in rows)
+           for k in ("tests", "wall_s", "compile_s", "compiled", "cache_hits")}
+  lines = ["| file | tests | wall s | compile s | programs compiled | cache hits |",
+           "|---|---:|---:|---:|---:|---:|"]
+  for name, e in [*rows, ("all (both workers' sum)", total)]:
+    lines.append(f"| {name} | {e.get('tests', 0):.0f} | {e.get('wall_s', 0):.1f} | "
+                 f"{e.get('compile_s', 0):.1f} | {e.get('compiled', 0):.0f} | "
+                 f"{e.get('cache_hits', 0):.0f} |")
+  (out / "report.md").write_text("\n".join(lines) + "\n")
+  (out / "report.json").write_text(json.dumps(merged, indent=1))
 
 
 def pytest_collection_modifyitems(config, items):

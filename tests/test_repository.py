@@ -97,3 +97,9 @@ def test_the_guides_say_predict_returns_probabilities():
   assert "`trainer.predict(state, batch)` returns" in guides
   said = guides.split("`trainer.predict(state, batch)` returns", 1)[1][:300]
   assert "probabilities" in said and "not logits" in said
+
+
+def test_the_readme_is_a_front_door():
+  # What it is, the two commands, a short example, links; the detail is in the guides.
+  lines = (ROOT / "README.md").read_text().splitlines()
+  assert len(lines) < 250, f"README.md has {len(lines)} lines"

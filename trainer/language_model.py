@@ -47,29 +47,8 @@ def model_fields(family: str = "transformer", **fields) -> dict:
   Raises:
     ValueError: a field set (not None) that the family's module does not have.
   """
-  import dataclasses
-  import inspect
-
-  if family == "transformer":
-    module = models.TransformerLM
-  else:
-    from trainer.interop import families
-    module = families.get(family, field="config.model.family").module()
-  if dataclasses.is_dataclass(module):  # Linen: its dataclass fields.
-    defaults = {f.name: f.default for f in dataclasses.fields(module)
-                if f.name not in ("parent", "name")}
-  else:  # NNX: its constructor's keyword arguments.
-    defaults = {name: p.default for name, p in inspect.signature(module.__init__).parameters
-                .items() if name not in ("self", "rngs")}
-  fields = {name: value for name, value in fields.items() if value is not None}
-  unknown = sorted(set(fields) - set(defaults))
-  if unknown:
-    raise ValueError(f"config.model.{unknown[0]}={fields[unknown[0]]!r}: the {family!r} "
-                     f"family's model has no such field (it takes {sorted(defaults)}); leave "
-                     f"it None, or pick the family that has it (config.model.family).")
-  kept = {name: value for name, value in defaults.items()
-          if value is not dataclasses.MISSING and value is not inspect.Parameter.empty}
-  return {**kept, **fields, "family": family}
+  from trainer.interop import families
+  return families.module_fields(family, **fields)
 
 
 class LanguageModelTrainer(Trainer):

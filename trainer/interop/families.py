@@ -416,6 +416,39 @@ FAMILIES = {family.model_type: family
             for family in (GPT2, LLAMA, MISTRAL, QWEN2, QWEN3, MIXTRAL, QWEN3_MOE)}
 
 
+def module_fields(family: str = "transformer", **fields) -> dict[str, Any]:
+  """`config.model`'s fields for `family`'s module, `family` included: the ones set (not
+  None), each other field of the module at its default (`trainer.language_model.model_fields`
+  is this).
+
+  Raises:
+    ValueError: a field set (not None) that the family's module does not have.
+  """
+  import dataclasses
+  import inspect
+
+  if family == "transformer":
+    import models
+    module = models.TransformerLM
+  else:
+    module = get(family, field="config.model.family").module()
+  if dataclasses.is_dataclass(module):  # Linen: its dataclass fields.
+    defaults = {f.name: f.default for f in dataclasses.fields(module)
+                if f.name not in ("parent", "name")}
+  else:  # NNX: its constructor's keyword arguments.
+    defaults = {name: p.default for name, p in inspect.signature(module.__init__).parameters
+                .items() if name not in ("self", "rngs")}
+  fields = {name: value for name, value in fields.items() if value is not None}
+  unknown = sorted(set(fields) - set(defaults))
+  if unknown:
+    raise ValueError(f"config.model.{unknown[0]}={fields[unknown[0]]!r}: the {family!r} "
+                     f"family's model has no such field (it takes {sorted(defaults)}); leave "
+                     f"it None, or pick the family that has it (config.model.family).")
+  kept = {name: value for name, value in defaults.items()
+          if value is not dataclasses.MISSING and value is not inspect.Parameter.empty}
+  return {**kept, **fields, "family": family}
+
+
 def get(model_type: str, *, field: str = "model_type") -> Family:
   """The family of an HF `model_type` (or of `config.model.family`)."""
   if model_type not in FAMILIES:

@@ -233,8 +233,6 @@ def check_model_config(model: Mapping[str, Any], path: str) -> None:
   Raises:
     ValueError: naming the first field that differs and both values.
   """
-  from trainer.language_model import model_fields as run_fields
-
   theirs = model_fields(path)
   family = model.get("family") or "transformer"
   if family != theirs["family"]:
@@ -242,7 +240,7 @@ def check_model_config(model: Mapping[str, Any], path: str) -> None:
         f"config.model.family={family!r}, but config.init_from.path={path!r} is a "
         f"{theirs['family']!r} checkpoint (its config.json's model_type); set config.model "
         f"from the checkpoint: trainer.interop.hf.model_fields(path).")
-  ours = run_fields(**dict(model))
+  ours = families.module_fields(**dict(model))
   derived = {"head_dim": lambda f: f["embed_dim"] // f["num_heads"],  # What None computes.
              "moe_mlp_dim": lambda f: f["mlp_dim"]}
   for name, default in derived.items():
