@@ -268,7 +268,8 @@ def pytest_sessionfinish(session):
   rows = sorted(merged.items(), key=lambda kv: -kv[1].get("wall_s", 0.0))
   total = {k: sum(e.get(k, 0.0) for _, e in rows)
            for k in ("tests", "wall_s", "compile_s", "compiled", "cache_hits")}
-  lines = ["| file | tests | wall s | compile s | programs compiled | cache hits |",
+  lines = ["| file | tests | wall s | compile s | programs (compiled or from the cache) "
+           "| of them from the cache |",
            "|---|---:|---:|---:|---:|---:|"]
   for name, e in [*rows, ("all (both workers' sum)", total)]:
     lines.append(f"| {name} | {e.get('tests', 0):.0f} | {e.get('wall_s', 0):.1f} | "
