@@ -32,7 +32,7 @@ SIZES = {
             "model.max_len": 256, "seq_len": 256, "batch_size": 64,
             "mixed_precision.compute_dtype": "bfloat16"},
     # Wide enough for the matmuls to fill an H100: 12 layers x 2048, seq 1024, batch 16,
-    # bfloat16, blocks rematerialised (about 640M parameters).
+    # bfloat16, blocks rematerialised (740M parameters).
     "gpu_large": {"model.vocab_size": 32768, "model.num_layers": 12, "model.embed_dim": 2048,
                   "model.num_heads": 16, "model.head_dim": 128, "model.mlp_dim": 8192,
                   "model.max_len": 1024, "seq_len": 1024, "batch_size": 16,

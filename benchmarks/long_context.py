@@ -28,13 +28,15 @@ sys.path.insert(0, ROOT)
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--seqs", default="1024,2048,4096", help="sequence lengths")
-  parser.add_argument("--contexts", default="4,8", help="context axis sizes")
+  parser.add_argument("--contexts", default="4,8",
+                      help="context axis sizes ('': one device alone, no context axis)")
   parser.add_argument("--methods", default="all_gather,ring", help="attention methods")
   parser.add_argument("--rounds", type=int, default=3)
   parser.add_argument("--block-seconds", type=float, default=1.0)
   args = parser.parse_args()
-  contexts = [int(c) for c in args.contexts.split(",")]
-  os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={max(contexts)}")
+  contexts = [int(c) for c in args.contexts.split(",") if c]  # "": one device, no context axis.
+  os.environ.setdefault("XLA_FLAGS",
+                        f"--xla_force_host_platform_device_count={max(contexts, default=1)}")
   import jax
   from mnist_setup import compiled_run, rotating_rounds
 

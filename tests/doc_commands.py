@@ -87,6 +87,9 @@ FEW_STEPS = {
                             "--config.data.eval_split=test[:200]"],
     "benchmarks/moe.py": ["--experts", "8", "--seq", "16", "--batch", "2", "--embed", "32",
                           "--expert-width", "32", "--rounds", "1", "--block-seconds", "0"],
+    # Without a GPU the script runs its smoke sizes; two stages (each stage's script
+    # runs on its own above).
+    "benchmarks/gpu.py": ["--only", "attention,sweep"],
 }
 
 #: Flags appended after the script's few-step ones to a command that runs one of these
@@ -130,6 +133,7 @@ EXPECTED_OUTPUT = {
     "benchmarks/study.py": r"^program / optimize: wall \d+\.\d{2}x, model-steps \d+\.\d{2}x",
     "benchmarks/moe.py": (r"^\s+8 einsum capacity 1\.25\s+\d+\.\d\s+\d+\.\d{2}x\s+\d+\.\d{4}\s+"
                           r"\d+\.\d{2}x"),
+    "benchmarks/gpu.py": r"^2 of 2 stages ok; results in \S+gpu_results\.md$",
 }
 
 

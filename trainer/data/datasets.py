@@ -21,7 +21,6 @@ from collections.abc import Callable, Iterator
 import jax
 import ml_collections
 import numpy as np
-import tensorflow_datasets as tfds
 
 from trainer.data.device import DeviceData, as_float_images
 
@@ -38,6 +37,13 @@ MNIST_FILES = {
 }
 #: The files a dataset's manual directory must hold, by dataset name (checked before TFDS).
 MANUAL_FILES = {"mnist": MNIST_FILES}
+
+
+def _tfds():
+  """tensorflow-datasets, imported where TFDS data is read: a run that reads none (an LM
+  on token files, a benchmark on random batches) never loads it."""
+  import tensorflow_datasets as tfds
+  return tfds
 
 
 def check_idx_file(path: str, magic: int, shape: tuple[int, ...]) -> None:
@@ -106,12 +112,12 @@ def _builder(name: str, data_dir: str | None, file_format: str | None):
     ValueError: `data_dir` already holds the dataset in the other format.
   """
   if file_format is None:
-    builder = tfds.builder(name, data_dir=data_dir or None)
+    builder = _tfds().builder(name, data_dir=data_dir or None)
     if builder.is_prepared():
       return builder
     file_format = "array_record"
   try:
-    return tfds.builder(name, data_dir=data_dir or None, file_format=file_format)
+    return _tfds().builder(name, data_dir=data_dir or None, file_format=file_format)
   except ValueError as e:
     if "File format is already set" not in str(e):
       raise
@@ -146,14 +152,14 @@ def _offline_error(name: str, data_dir: str | None, e: Exception) -> RuntimeErro
 
 def _prepare(name: str, data_dir: str | None, manual_dir: str | None,
              file_format: str | None):
-  tfds.disable_progress_bar()  # Dozens of bar lines would bury the run's own log.
+  _tfds().disable_progress_bar()  # Dozens of bar lines would bury the run's own log.
   builder = _builder(name, data_dir, file_format)
   in_format = {"file_format": file_format} if file_format else {}
   if manual_dir:
     for filename, (magic, shape) in MANUAL_FILES.get(name, {}).items():
       check_idx_file(os.path.join(manual_dir, filename), magic, shape)
     builder.download_and_prepare(
-        download_config=tfds.download.DownloadConfig(manual_dir=manual_dir), **in_format)
+        download_config=_tfds().download.DownloadConfig(manual_dir=manual_dir), **in_format)
     return builder
   # Fail in seconds, not after minutes of TFDS's retries (tfds.testing.mock_data, which
   # replaces the download, needs no network).
@@ -220,13 +226,13 @@ def load_split(builder, split: str, chunk: int = 10_000, field: str = "split") -
     ValueError: `split` names no split of the dataset, or is not a valid slice;
       the message names the config `field` it came from.
   """
-  if str(builder.info.file_format) == str(tfds.core.FileFormat.ARRAY_RECORD):
+  if str(builder.info.file_format) == str(_tfds().core.FileFormat.ARRAY_RECORD):
     source = data_source(builder, split, field)
     chunks = [_stack(source.__getitems__(list(range(i, min(i + chunk, len(source))))))
               for i in range(0, len(source), chunk)]
   else:
     try:
-      chunks = list(tfds.as_numpy(builder.as_dataset(split=split, batch_size=chunk)))
+      chunks = list(_tfds().as_numpy(builder.as_dataset(split=split, batch_size=chunk)))
     except (ValueError, KeyError, AssertionError) as e:
       raise _split_error(builder, split, field, e) from e
   return Split(images=np.concatenate([c["image"] for c in chunks]).astype(np.uint8),

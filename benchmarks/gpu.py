@@ -1,0 +1,158 @@
+r"""One command for a lent GPU: the benchmarks whose meaning is an accelerator's, one results file.
+
+    python benchmarks/gpu.py [--out gpu_results.md] [--budget 470] [--only mfu,moe]
+    python benchmarks/gpu.py --size smoke      # what a CPU runs (the default there)
+
+Each stage is one of the project's benchmark scripts, run as a subprocess at the
+size that stage means on one GPU (`--size gpu`, the default when jax's default
+backend is a GPU) or at a smoke size that checks the command end to end in
+seconds (`--size smoke`, the default elsewhere):
+
+- `mfu`: the transformer LM's tokens/s, TFLOP/s and MFU at two sizes
+  (`lm_mfu.py`, 27M and 740M parameters, bfloat16) beside a bare matmul;
+- `steps_per_call`: `fit` with k steps per call, host and device data, against
+  a hand-written `lax.scan` loop (`steps_per_call.py`);
+- `sweep`: 8 learning rates as one ensemble program against 8 separate runs
+  (`sweep_vs_runs.py`);
+- `moe`: grouped `ragged_dot` experts against the one-hot einsum dispatch and the
+  dense model (`moe.py`);
+- `attention`: the LM's step on one long sequence, its temporaries and time at
+  1K, 4K and 8K tokens, one device (`long_context.py` with no context axis);
+- `ensemble`: 4 members on one device, looped against `vmap`ped, against 4
+  single-model steps (`ensemble_step_time.py --groups 4on1`).
+
+The parent process never starts jax on the accelerator (a probe subprocess names
+the device), so each stage has the whole GPU. Stages run in order; one that
+would start with less than a minute of `--budget` left is skipped, and each is
+stopped at what is left. The results file (Markdown) is rewritten after every
+stage: the device, the versions, and each stage's command, status, wall time
+and output, so a run cut short still leaves what it measured.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.join(ROOT, "benchmarks")
+
+#: name -> {size -> the script's arguments}. The first item is the script.
+STAGES = {
+    "mfu": {
+        "gpu": ["lm_mfu.py", "--sizes", "gpu,gpu_large", "--steps", "10", "--repeats", "3"],
+        "smoke": ["lm_mfu.py", "--sizes", "cpu", "--layers", "1", "--batch", "2", "--steps",
+                  "1", "--repeats", "1", "--matmul", "256"],
+    },
+    "steps_per_call": {
+        "gpu": ["steps_per_call.py", "--ks", "1,8,64", "--steps", "256", "--repeats", "2"],
+        "smoke": ["steps_per_call.py", "--ks", "1,2", "--models", "one", "--steps", "2",
+                  "--repeats", "1", "--batch", "8"],
+    },
+    "sweep": {
+        "gpu": ["sweep_vs_runs.py", "--members", "8", "--steps", "100", "--batch", "128"],
+        "smoke": ["sweep_vs_runs.py", "--members", "2", "--steps", "2", "--batch", "4"],
+    },
+    "moe": {
+        "gpu": ["moe.py", "--experts", "8,32", "--seq", "1024", "--batch", "16", "--embed",
+                "512", "--expert-width", "1024", "--rounds", "3", "--block-seconds", "0.5"],
+        "smoke": ["moe.py", "--experts", "4", "--seq", "16", "--batch", "2", "--embed", "16",
+                  "--expert-width", "16", "--rounds", "1", "--block-seconds", "0.01"],
+    },
+    "attention": {
+        "gpu": ["long_context.py", "--seqs", "1024,4096,8192", "--contexts", "", "--rounds", "3"],
+        "smoke": ["long_context.py", "--seqs", "32", "--contexts", "", "--rounds", "1",
+                  "--block-seconds", "0.01"],
+    },
+    "ensemble": {
+        "gpu": ["ensemble_step_time.py", "--groups", "4on1", "--steps", "50"],
+        "smoke": ["ensemble_step_time.py", "--groups", "4on1", "--steps", "2", "--batch", "4",
+                  "--repeats", "1"],
+    },
+}
+
+PROBE = ("import json, jax, flax, optax; d = jax.devices()[0]; print(json.dumps(dict("
+         "backend=jax.default_backend(), kind=d.device_kind, count=len(jax.devices()), "
+         "jax=jax.__version__, flax=flax.__version__, optax=optax.__version__)))")
+
+
+def _env() -> dict:
+  env = dict(os.environ)
+  env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")]))
+  env["PYTHONUNBUFFERED"] = "1"
+  return env
+
+
+def probe() -> dict:
+  """The default backend, its first device and the versions, from a subprocess."""
+  done = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True,
+                        env=_env(), timeout=300, check=True)
+  return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def write(path: str, device: dict, size: str, results: list) -> None:
+  lines = [f"# GPU benchmarks: {device['kind']} ({device['backend']}, "
+           f"{device['count']} device{'s' * (device['count'] > 1)})", "",
+           f"jax {device['jax']}, flax {device['flax']}, optax {device['optax']}; size "
+           f"`{size}`; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", ""]
+  for r in results:
+    lines += [f"## {r['stage']}: {r['status']} ({r['seconds']:.0f} s)", "",
+              "```", "python benchmarks/" + " ".join(
+                  repr(a) if not a or " " in a else a for a in r["argv"]),
+              "```", "", "```", r["output"].rstrip(), "```", ""]
+  with open(path, "w") as f:
+    f.write("\n".join(lines))
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--out", default="gpu_results.md", help="the results file (Markdown)")
+  parser.add_argument("--size", choices=("gpu", "smoke"), default=None,
+                      help="default: gpu where jax's default backend is a GPU, else smoke")
+  parser.add_argument("--only", default=",".join(STAGES),
+                      help=f"stages to run, comma-separated, of {','.join(STAGES)}")
+  parser.add_argument("--budget", type=float, default=470.0,
+                      help="seconds for all stages; a stage is stopped at what is left")
+  args = parser.parse_args()
+  only = args.only.split(",")
+  unknown = [s for s in only if s not in STAGES]
+  if unknown:
+    parser.error(f"--only: {unknown} not among {list(STAGES)}")
+  started = time.monotonic()
+  device = probe()
+  size = args.size or ("gpu" if device["backend"] == "gpu" else "smoke")
+  print(f"{device['kind']} ({device['backend']}); size {size}; results to {args.out}",
+        flush=True)
+  results = []
+  for stage in only:
+    argv = STAGES[stage][size]
+    left = args.budget - (time.monotonic() - started)
+    if left < 60 and size == "gpu":
+      results.append(dict(stage=stage, argv=argv, status="skipped: budget spent", seconds=0,
+                          output=""))
+      write(args.out, device, size, results)
+      continue
+    print(f"== {stage}: python benchmarks/{' '.join(argv)}", flush=True)
+    t0 = time.monotonic()
+    try:
+      done = subprocess.run([sys.executable, os.path.join(HERE, argv[0]), *argv[1:]],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=_env(), timeout=max(left, 1.0), cwd=ROOT)
+      status = "ok" if done.returncode == 0 else f"failed (exit {done.returncode})"
+      output = done.stdout
+    except subprocess.TimeoutExpired as e:
+      status = f"stopped at the budget ({left:.0f} s)"
+      output = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+    results.append(dict(stage=stage, argv=argv, status=status,
+                        seconds=time.monotonic() - t0, output=output))
+    print(output, flush=True)
+    write(args.out, device, size, results)
+  bad = [r["stage"] for r in results if r["status"] != "ok"]
+  print(f"{len(results) - len(bad)} of {len(results)} stages ok; results in {args.out}")
+  sys.exit(1 if any(r["status"].startswith("failed") for r in results) else 0)
+
+
+if __name__ == "__main__":
+  main()
