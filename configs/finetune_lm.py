@@ -46,6 +46,7 @@ def get_config(variant: str = "full") -> ml_collections.ConfigDict:
   config.schedule.name = "cosine"
   config.schedule.warmup_steps = 10
   config.checkpoint.every_steps = 0  # Saved at the end (and on a stop).
+  config.data = lm.corpus_fields()
 
   # FSDP: weights and optimizer state sharded over the data axis (configs/lm.py's rules).
   config.strategy.name = "sharded_data_parallel"

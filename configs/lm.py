@@ -116,6 +116,28 @@ PIPELINES = {
 }
 
 
+def corpus_fields() -> ml_collections.ConfigDict:
+  """`config.data`: the text the LM trains on (`trainer.data.lm`). No sources: the
+  synthetic token stream (`trainer.language_model.synthetic_token_batches`)."""
+  return ml_collections.ConfigDict(dict(
+      # One entry per source: paths, globs or directories of .jsonl, .jsonl.gz or .parquet
+      # files, comma-separated: --config.data.sources='("corpus/*.jsonl.gz",)'.
+      sources=(),
+      weights=(),  # One per source (its share of rows); empty: equal.
+      text_field="text",  # The JSON key or Parquet column that holds a document.
+      # A tokenizer.json or a model directory; "": config.init_from.path's.
+      tokenizer="",
+      add_bos=ml_collections.FieldReference(None, field_type=bool),  # None: as the model says.
+      add_eos=ml_collections.FieldReference(None, field_type=bool),  # None: when it has one.
+      layout="packed",  # "packed" (documents kept apart) or "chunked" (cut, no padding).
+      lanes=0,  # Independent row streams; processes must divide it. 0: <= 8, divides batch.
+      bad_records="stop",  # "stop" naming the file and line, or "skip" and count.
+      shuffle_files=True,  # Each lane's file order drawn per epoch from config.seed.
+      eval_sources=(),  # Held-out files, read in order; empty: the synthetic held-out set.
+      eval_batches=4,  # Eval batches read from eval_sources.
+  ))
+
+
 def get_config(layout: str = "data_parallel") -> ml_collections.ConfigDict:
   if layout not in LAYOUTS:
     raise ValueError(f"configs/lm.py:{layout}: the layout must be one of {tuple(LAYOUTS)}.")
@@ -134,6 +156,7 @@ def get_config(layout: str = "data_parallel") -> ml_collections.ConfigDict:
   config.log_every_steps = 50
   config.optimizer = "adam"
   config.learning_rate = 3e-3
+  config.data = corpus_fields()
 
   mesh_shape, mesh_axes, rules = LAYOUTS[layout]
   config.strategy.name = "sharded_data_parallel"

@@ -1,6 +1,15 @@
-r"""Trains the small transformer LM on the synthetic token stream under any layout.
+r"""Trains the small transformer LM under any layout, on a text corpus or synthetic tokens.
 
     python examples/transformer_lm.py --config=configs/lm.py:fsdp --workdir=/tmp/lm
+    python examples/write_corpus.py --out=/tmp/corpus
+    python examples/transformer_lm.py --workdir=/tmp/lm_corpus \
+        --config.data.sources='("/tmp/corpus/train-*.jsonl.gz",)' \
+        --config.data.eval_sources='("/tmp/corpus/valid.jsonl",)' \
+        --config.data.tokenizer=/tmp/corpus --config.model.vocab_size=512
+
+With `config.data.sources` the batches are the corpus's documents, tokenized and
+packed by `trainer.data.lm` (Grain), each process reading its own share, the
+position saved with every checkpoint; without, a synthetic token stream.
 
 The layout (data parallel, FSDP, tensor parallel, data x tensor, FSDP x
 tensor) is the config string; the model and the loop are the same for all.
@@ -51,15 +60,24 @@ def train(config, workdir: str) -> None:
   trainer = LanguageModelTrainer(config)
   checkpointer = Checkpointer.from_config(config, workdir)
   rows = trainer.strategy.process_slice(config.batch_size)  # This process's rows.
-  stream = lambda start: synthetic_token_batches(  # noqa: E731
-      config.seed, config.batch_size, config.seq_len, config.model.vocab_size, start, rows)
+  writer = writers.create_writer(workdir, config.writers, config)
+  actions = []
+  if config.data.sources:  # Text files: tokenized, packed, this process's lanes.
+    from trainer.data import lm
+    stream = lm.from_config(config, rows)
+    actions.append(lm.CorpusMetrics(writer, every_steps=config.log_every_steps))
+  else:
+    stream = lambda start: synthetic_token_batches(  # noqa: E731
+        config.seed, config.batch_size, config.seq_len, config.model.vocab_size, start, rows)
   # Eval batches are global: each process passes all, the Trainer puts its rows.
   held_out = list(itertools.islice(synthetic_token_batches(
       config.seed, config.batch_size, config.seq_len, config.model.vocab_size, 10**6), 4))
-  writer = writers.create_writer(workdir, config.writers, config)
+  if config.data.eval_sources:
+    held_out = lm.eval_batches(config)
   try:
     result = trainer.fit(stream, num_steps=config.num_train_steps, checkpointer=checkpointer,
-                         writer=writer, eval_batches=lambda: held_out, workdir=workdir)
+                         writer=writer, eval_batches=lambda: held_out, workdir=workdir,
+                         actions=actions)
   finally:
     checkpointer.close()
     writer.close()

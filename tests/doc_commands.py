@@ -35,6 +35,7 @@ BIN = pathlib.Path(sys.executable).parent
 #: Flags appended to a script's documented command so that it runs in seconds.
 FEW_STEPS = {
     "examples/my_trainer.py": [],  # 100 steps of a tiny MLP: seconds as written.
+    "examples/write_corpus.py": [],  # Writes a corpus of the docs' paragraphs: seconds.
     "examples/mnist_ensemble.py": [
         "--config.num_train_steps=2", "--config.log_every_steps=1",
         "--config.data.train_split=train[:512]", "--config.data.eval_split=test[:600]"],
@@ -90,6 +91,7 @@ FEW_STEPS = {
     # Without a GPU the script runs its smoke sizes; two stages (each stage's script
     # runs on its own above).
     "benchmarks/gpu.py": ["--only", "attention,sweep"],
+    "benchmarks/corpus.py": ["--sizes-mb", "1,2", "--batches", "5", "--late", "20"],
 }
 
 #: Flags appended after the script's few-step ones to a command that runs one of these
@@ -100,6 +102,7 @@ FEW_STEPS_FOR_CONFIG = {"configs/mnist_study.py": ["--config.sweep.study.n_trial
 #: runs, the command that makes it runs (with its few-step flags) unless it already has.
 MADE_BY = {
     "/tmp/finetune": ".venv/bin/python examples/finetune_lm.py --workdir=/tmp/finetune",
+    "/tmp/corpus": ".venv/bin/python examples/write_corpus.py --out=/tmp/corpus",
     "/tmp/mnist_study": (".venv/bin/python examples/mnist_ensemble.py "
                          "--config=configs/mnist_study.py --workdir=/tmp/mnist_study "
                          "--config.data.manual_dir=../shared/data/mnist"),
@@ -108,6 +111,7 @@ MADE_BY = {
 #: What a script's standard output shows when it did its job.
 EXPECTED_OUTPUT = {
     "examples/my_trainer.py": r"^\w+: loss=\d+\.\d{4}$",
+    "examples/write_corpus.py": r"^wrote \d+ train documents in 4 shards, \d+ held out",
     "examples/mnist_ensemble.py": r"(^|\s)(ensemble_)?accuracy=\d\.\d{4}",
     "examples/transformer_lm.py": r"(^|\s)loss=\d+\.\d{4}",
     "benchmarks/strategy_step_time.py": r"pmap_ensemble\s+8\s+\d",
@@ -134,6 +138,7 @@ EXPECTED_OUTPUT = {
     "benchmarks/moe.py": (r"^\s+8 einsum capacity 1\.25\s+\d+\.\d\s+\d+\.\d{2}x\s+\d+\.\d{4}\s+"
                           r"\d+\.\d{2}x"),
     "benchmarks/gpu.py": r"^2 of 2 stages ok; results in \S+gpu_results\.md$",
+    "benchmarks/corpus.py": r"^  step\s+20\s+read\s+\d+\.\d{2} s\s+resume\s+\d\.\d{4} s",
 }
 
 
@@ -230,7 +235,7 @@ class Runner:
     (its leading `NAME=value` words are the environment's: `env`)."""
     program, *args = shlex.split(assignments(step or last_step(command))[1])
     # Only the command's own arguments move: this interpreter may itself live under /tmp/.
-    args = [re.sub(r"(^|=)/tmp/(\S*)", lambda m: m.group(1) + str(self.path(m.group(2))), a)
+    args = [re.sub(r"(^|[=(\"'])/tmp/", lambda m: m.group(1) + str(self.root) + "/", a)
             for a in args]
     if program.startswith(".venv/bin/"):
       name = program.removeprefix(".venv/bin/")

@@ -71,6 +71,15 @@ def config_of(case: str) -> ml_collections.ConfigDict:
     config.sweep.metric, config.sweep.mode = "nll", "min"
     config.eval_every_steps = 2
     return config
+  if case == "lm_corpus":  # A text corpus (trainer.data.lm): 4 lanes, 2 on each process.
+    config = tiny_lm_config("data_parallel", **{"model.vocab_size": 256})
+    config.log_every_steps = 1
+    config.eval_every_steps = 0
+    config.schedule.warmup_steps = 0
+    config.checkpoint.every_steps = SAVE_EVERY
+    config.data.update(sources=(os.path.join(corpus_dir(), "corpus"),), tokenizer=corpus_dir(),
+                       lanes=4)
+    return config
   if case == "lm_fsdp":  # Every weight and its optimizer state sharded over all 8 devices.
     config = tiny_lm_config("fsdp")
     config.log_every_steps = 1
@@ -115,7 +124,15 @@ SPIKE = 9
 
 
 CASES = ("resnet_dp", "nnx_ensemble", "device_ensemble", "sweep_ensemble", "halving_ensemble",
-         "lm_fsdp")
+         "lm_fsdp", "lm_corpus")
+
+#: Where the `lm_corpus` case's files are (`corpus_files.write_corpus`), set by the test
+#: before it starts the processes (they inherit the environment).
+CORPUS_ENV = "FLAX_TRAINER_TEST_CORPUS"
+
+
+def corpus_dir() -> str:
+  return os.environ[CORPUS_ENV]
 
 #: Cases fed by the Grain pipeline, saved on 2 processes at NUM_STEPS and resumed on one
 #: process of 8 and of 4 devices to ELASTIC_STEPS (`test_multiprocess.py`).
@@ -140,7 +157,7 @@ def trainer_of(case: str, strategy=None):
          "device_ensemble": user_models.NnxBatchNormTrainer,
          "sweep_ensemble": user_models.NnxBatchNormTrainer,
          "halving_ensemble": user_models.NnxBatchNormTrainer,
-         "lm_fsdp": LanguageModelTrainer}[case]
+         "lm_fsdp": LanguageModelTrainer, "lm_corpus": LanguageModelTrainer}[case]
   return cls(config_of(case), strategy=strategy)
 
 
@@ -223,6 +240,9 @@ def global_batch(case: str, step: int, size: int = 16) -> dict[str, np.ndarray]:
   if case == "lm_fsdp":
     from trainer.language_model import synthetic_token_batches
     return next(synthetic_token_batches(7, size, 16, 32, step))
+  if case == "lm_corpus":  # Shapes (restores) and eval: synthetic tokens of the vocabulary.
+    from trainer.language_model import synthetic_token_batches
+    return next(synthetic_token_batches(7, size, 16, 256, step))
   if case in ELASTIC_CASES:  # Only for shapes (restores, eval): the first records.
     return example_batch({k: np.stack([r[k] for r in example_source()[:size]])
                           for k in ("image", "label", "id")})
@@ -245,6 +265,9 @@ def train_batches(case: str, rows: slice):
   `device_ensemble`: every process places all of it, each step keeps its rows)."""
   if case == "device_ensemble":
     return device_split().device_data(16, seed=7)
+  if case == "lm_corpus":  # This process's lanes of the corpus.
+    from trainer.data import lm
+    return lm.from_config(config_of(case), rows)
   def batches(start):
     step = start
     while True:

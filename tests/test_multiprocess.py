@@ -18,6 +18,7 @@ import pathlib
 import subprocess
 import sys
 
+import corpus_files
 import jax
 import multiprocess_cases as cases
 import numpy as np
@@ -38,8 +39,22 @@ def launch(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
       cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def corpus(tmp_path_factory):
+  """The `lm_corpus` case's files, named to every process by the environment."""
+  root = tmp_path_factory.mktemp("corpus")
+  corpus_files.write_corpus(root)
+  saved = os.environ.get(cases.CORPUS_ENV)
+  os.environ[cases.CORPUS_ENV] = str(root)
+  yield root
+  if saved is None:
+    os.environ.pop(cases.CORPUS_ENV, None)
+  else:
+    os.environ[cases.CORPUS_ENV] = saved
+
+
 @pytest.fixture(scope="module")
-def two_processes(tmp_path_factory):
+def two_processes(tmp_path_factory, corpus):
   """Root of the 2-process runs; `resume` started from a 1-process single-device checkpoint."""
   root = tmp_path_factory.mktemp("two_processes")
   cases.run("resnet_dp", str(root / "resume"), num_steps=cases.SAVE_EVERY,
@@ -51,7 +66,7 @@ def two_processes(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def one_process(tmp_path_factory):
+def one_process(tmp_path_factory, corpus):
   """The same runs in this process (8 devices), keyed by case: (trainer, result, workdir)."""
   root = tmp_path_factory.mktemp("one_process")
   runs = {}
@@ -143,6 +158,32 @@ def test_one_process_checkpoint_resumes_on_two_processes(two_processes, one_proc
   assert_same_state(state, cases.flat(trainer.strategy.to_canonical(result.state)))
   steps = [s for s, _ in train_losses(two_processes / "resume")]
   assert steps == list(range(1, cases.NUM_STEPS + 1))  # 1-2 from one process, 3-4 from two.
+
+
+def test_a_corpus_checkpoint_of_two_processes_holds_every_lane_and_resumes_on_one(
+    two_processes, one_process, tmp_path):
+  """Each process read its 2 of the 4 lanes; the checkpoint holds all 4 (gathered at the
+  save); one process of 8 devices resumes it to step 8 as a run of its own does."""
+  import shutil
+
+  from trainer.data import lm
+  checkpoints = two_processes / "lm_corpus" / "checkpoints"
+  layout = json.loads((checkpoints / str(cases.NUM_STEPS) / "layout" / "metadata").read_text())
+  data = layout["data"]
+  assert data[lm.LANES_KEY] == 4 and sorted(data[lm.STATES_KEY]) == ["0", "1", "2", "3"]
+  assert lm.PROCESS_KEY not in data
+  workdir = tmp_path / "resumed"
+  shutil.copytree(checkpoints, workdir / "checkpoints")
+  trainer, resumed = cases.run("lm_corpus", str(workdir), 2 * cases.NUM_STEPS)
+  _, whole = cases.run("lm_corpus", str(tmp_path / "whole"), 2 * cases.NUM_STEPS)
+  assert resumed.step == whole.step == 2 * cases.NUM_STEPS
+  assert_same_state(cases.flat(trainer.strategy.to_canonical(resumed.state)),
+                    cases.flat(trainer.strategy.to_canonical(whole.state)))
+  # The resumed run trained on the same batches: its losses after step 4 are the whole run's.
+  after = [(s, v) for s, v in train_losses(workdir) if s > cases.NUM_STEPS]
+  expect = [(s, v) for s, v in train_losses(tmp_path / "whole") if s > cases.NUM_STEPS]
+  assert [s for s, _ in after] == [s for s, _ in expect] == list(range(5, 9))
+  np.testing.assert_allclose([v for _, v in after], [v for _, v in expect], rtol=1e-5)
 
 
 # -- Elastic resume: saved on 2 processes x 4 devices, resumed on 1 x 8 and 1 x 4 ---------------

@@ -59,6 +59,9 @@ def check_config(config: ml_collections.ConfigDict) -> None:
   builtin.check_config(config)
   writers.check_writers(config.writers)
   _check_model_against_checkpoint(config)
+  if "data" in config and "sources" in config.data and config.data.sources:
+    from trainer.data import lm
+    lm.check_config(config)  # The corpus's files exist, its fields are accepted.
   if not isinstance(config.eval_batch_size, int) or config.eval_batch_size < 1:
     raise ValueError(f"config.eval_batch_size={config.eval_batch_size!r} must be a positive "
                      f"integer (any size: eval batches are padded to split evenly).")

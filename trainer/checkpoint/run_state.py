@@ -59,11 +59,16 @@ def _models(num_members: int) -> str:
 
 
 def save_run(checkpointer: Checkpointer, strategy: Strategy, run: RunState) -> None:
-  """Starts an asynchronous save of `run` as checkpoint `run.step`."""
+  """Starts an asynchronous save of `run` as checkpoint `run.step`. A data position held per
+  process (`trainer.data.lm`'s lanes) is first gathered from every process (each process
+  saves at the same step)."""
+  data = run.data
+  if isinstance(data, dict) and data.get("of_process"):
+    from trainer.data import lm
+    data = lm.gather_state(data)
   checkpointer.save(run.step, strategy.checkpoint_state(run.state),
                     {**strategy.checkpoint_layout(), "shape": run_shape(strategy)},
-                    metrics=run.metrics,
-                    action_states=run.actions, data_state=run.data)
+                    metrics=run.metrics, action_states=run.actions, data_state=data)
 
 
 def restore_run(checkpointer: Checkpointer, strategy: Strategy, abstract_state: PyTree, *,

@@ -35,11 +35,12 @@ import numpy as np
 Batch = dict[str, np.ndarray]
 
 #: Keys of an iterator state that is a position in the global stream, valid for any
-#: number of processes: this module's (`"global_batch"`) and Grain's
-#: `grain.experimental.ElasticIterator`'s (`"global_next_index"`). Any other
+#: number of processes: this module's (`"global_batch"`), Grain's
+#: `grain.experimental.ElasticIterator`'s (`"global_next_index"`), and a text corpus's
+#: lanes (`trainer.data.lm`, valid for any process count that divides its lanes). Any other
 #: checkpointed state is taken to be one process's and resumes only on the process
 #: layout that saved it (`trainer.data.feed.check_resumable`).
-ELASTIC_STATE_KEYS = ("global_batch", "global_next_index")
+ELASTIC_STATE_KEYS = ("global_batch", "global_next_index", "corpus_lanes")
 
 
 def shard_options(process_rows: tuple[int, int]) -> grain.sharding.ShardOptions:

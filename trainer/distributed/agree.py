@@ -26,3 +26,18 @@ def per_process(flag: bool) -> np.ndarray:
 def any_process(flag: bool) -> bool:
   """Whether `flag` holds on any process (the same answer on all of them)."""
   return bool(per_process(flag).any())
+
+
+def every_process_json(value) -> list:
+  """Every process's JSON-serialisable `value`, indexed by process (two collectives on
+  several processes: the lengths, then the padded bytes)."""
+  import json
+  data = np.frombuffer(json.dumps(value).encode(), np.uint8)
+  if jax.process_count() == 1:
+    return [value]
+  from jax.experimental import multihost_utils
+  lengths = np.asarray(multihost_utils.process_allgather(np.asarray(len(data)))).reshape(-1)
+  padded = np.zeros(int(lengths.max()), np.uint8)
+  padded[:len(data)] = data
+  every = np.asarray(multihost_utils.process_allgather(padded)).reshape(len(lengths), -1)
+  return [json.loads(bytes(row[:n]).decode()) for row, n in zip(every, lengths, strict=True)]

@@ -1,0 +1,411 @@
+"""Text files as a stream of token examples: the sources of `trainer.data.lm`.
+
+A source is a list of files (paths or globs) of one format, with the name of the
+field that holds each record's text:
+
+- `jsonl`: one JSON object a line (`.jsonl`, `.json`, `.jsonl.gz`, `.json.gz`; gzip
+  is read as a stream);
+- `parquet`: the string column `field` (`.parquet`), read one row group at a time.
+
+Files are read as a stream (one line or one row group in memory at a time), never
+whole. Each record's text is tokenized, bracketed by the tokenizer's BOS/EOS where
+`Tokenizer` says so, and cut into next-token examples of at most `length + 1` tokens
+(`pieces`), so every token but a document's first is a target exactly once per pass.
+
+A source is read in `lanes` disjoint shards (record `k` of a file, counted over the
+whole file, belongs to shard `k % lanes`), each an independent Grain iterator
+(`ShardIterator`) whose state is the epoch, the file, the byte offset (or row) of the
+next record and the piece of the current one: restoring it seeks there, whatever
+the number of steps behind it. Each epoch visits a shard's files in an order drawn
+from `(seed, shard, epoch)`.
+
+A record that cannot be read (a malformed JSON line, a missing or non-text field,
+bytes that are not UTF-8, an empty document, a Parquet file without the field) stops
+the run naming the file and the line or row (`bad_records="stop"`), or is skipped
+and counted by kind (`"skip"`, the counts kept in the iterator's state).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import gzip
+import json
+import logging
+import os
+
+import grain
+import numpy as np
+
+#: Formats by file ending, longest first.
+ENDINGS = ((".jsonl.gz", "jsonl"), (".json.gz", "jsonl"), (".jsonl", "jsonl"),
+           (".json", "jsonl"), (".parquet", "parquet"))
+FORMATS = ("jsonl", "parquet")
+#: What a directory source reads (`.json` files only when named: a model directory's
+#: `config.json` and `tokenizer.json` are no corpus).
+DIRECTORY_ENDINGS = (".jsonl", ".jsonl.gz", ".parquet")
+BAD_RECORDS = ("stop", "skip")
+#: The kinds of bad record, as counted under `bad_records="skip"`.
+BAD_KINDS = ("malformed", "missing_field", "not_utf8", "empty", "schema")
+
+
+class CorpusError(ValueError):
+  """A source that cannot be read, or a bad record under `bad_records="stop"`."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TextSource:
+  """One source: its files (matched and sorted; each read by its ending's format), the text
+  field, its weight."""
+
+  name: str
+  files: tuple[str, ...]
+  field: str = "text"
+  weight: float = 1.0
+
+
+def format_of(path: str) -> str | None:
+  for ending, fmt in ENDINGS:
+    if path.endswith(ending):
+      return fmt
+  return None
+
+
+def resolve(spec: str, *, field: str, weight: float, where: str) -> TextSource:
+  """A source from `spec`, a comma-separated list of paths, globs or directories (`~`
+  expanded; a directory: its corpus files, recursively), each matching at least one file.
+
+  Raises:
+    CorpusError: naming `where` (the config field), a pattern that matches nothing, or a
+      file whose ending names no format.
+  """
+  if not isinstance(spec, str) or not spec.strip():
+    raise CorpusError(f"{where}={spec!r} must name files: paths or globs, comma-separated.")
+  files = []
+  for pattern in (p.strip() for p in spec.split(",") if p.strip()):
+    pattern = os.path.expanduser(pattern)
+    found = sorted(glob.glob(pattern, recursive=True)) if glob.has_magic(pattern) else (
+        [pattern] if os.path.isfile(pattern) else [])
+    if os.path.isdir(pattern):
+      found = sorted(f for f in glob.glob(os.path.join(pattern, "**", "*"), recursive=True)
+                     if f.endswith(DIRECTORY_ENDINGS))
+    if not found:
+      kind = "glob" if glob.has_magic(pattern) else "path"
+      raise CorpusError(f"{where}: the {kind} {pattern!r} matches no file.")
+    files.extend(found)
+  formats = {f: format_of(f) for f in files}
+  unknown = [f for f, fmt in formats.items() if fmt is None]
+  if unknown:
+    raise CorpusError(f"{where}: {unknown[0]!r} is not a corpus file; the endings read are "
+                      f"{[e for e, _ in ENDINGS]}.")
+  if not isinstance(weight, (int, float)) or not weight > 0:
+    raise CorpusError(f"{where}: the weight {weight!r} must be a number > 0.")
+  return TextSource(name=spec, files=tuple(files), field=field, weight=float(weight))
+
+
+class Tokenizer:
+  """A `tokenizers` tokenizer and the ids that bracket each document.
+
+  Args:
+    path: a `tokenizer.json`, or a Hugging Face model directory holding one (with its
+      `tokenizer_config.json` and `generation_config.json`, which say which BOS/EOS it
+      adds).
+    add_bos, add_eos: None: as the model directory says (`add_bos_token` in
+      `tokenizer_config.json`, default false; EOS at each document's end whenever the
+      tokenizer has one, so a packed row's documents end as they did in pretraining);
+      True/False to override.
+  """
+
+  def __init__(self, path: str, *, add_bos: bool | None = None, add_eos: bool | None = None):
+    from tokenizers import Tokenizer as HFTokenizer
+
+    path = os.path.expanduser(path)
+    directory = path if os.path.isdir(path) else os.path.dirname(path)
+    file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
+    if not os.path.isfile(file):
+      raise CorpusError(f"no tokenizer: {file!r} does not exist (give config.data.tokenizer a "
+                        f"tokenizer.json, or config.init_from.path a model directory holding "
+                        f"one).")
+    self.path = file
+    self.tokenizer = HFTokenizer.from_file(file)
+    settings = _read_json(os.path.join(directory, "tokenizer_config.json"))
+    generation = _read_json(os.path.join(directory, "generation_config.json"))
+    self.bos_id = self._special(settings.get("bos_token"), generation.get("bos_token_id"))
+    self.eos_id = self._special(settings.get("eos_token"), generation.get("eos_token_id"))
+    want_bos = bool(settings.get("add_bos_token", False)) if add_bos is None else add_bos
+    want_eos = (self.eos_id is not None) if add_eos is None else add_eos
+    for name, want, token in (("BOS", want_bos, self.bos_id), ("EOS", want_eos, self.eos_id)):
+      if want and token is None:
+        raise CorpusError(f"config.data.add_{name.lower()}=True but the tokenizer {file!r} "
+                          f"names no {name} token (tokenizer_config.json / "
+                          f"generation_config.json).")
+    self.add_bos, self.add_eos = want_bos, want_eos
+    self.vocab_size = self.tokenizer.get_vocab_size()
+
+  def _special(self, token, token_id) -> int | None:
+    if isinstance(token, dict):  # {"content": "<s>", ...} in older tokenizer configs.
+      token = token.get("content")
+    if isinstance(token, str) and self.tokenizer.token_to_id(token) is not None:
+      return self.tokenizer.token_to_id(token)
+    if isinstance(token_id, list):
+      token_id = token_id[0] if token_id else None
+    return token_id if isinstance(token_id, int) else None
+
+  def __call__(self, text: str) -> np.ndarray:
+    ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+    ids = ([self.bos_id] if self.add_bos else []) + ids + ([self.eos_id] if self.add_eos else [])
+    return np.asarray(ids, np.int32)
+
+  def __getstate__(self):  # Grain's worker processes get the tokenizer by pickling.
+    return {**self.__dict__, "tokenizer": self.tokenizer.to_str()}
+
+  def __setstate__(self, state):
+    from tokenizers import Tokenizer as HFTokenizer
+    self.__dict__.update(state, tokenizer=HFTokenizer.from_str(state["tokenizer"]))
+
+
+def _read_json(path: str) -> dict:
+  if not os.path.isfile(path):
+    return {}
+  with open(path, encoding="utf-8") as f:
+    return json.load(f)
+
+
+def pieces(ids: np.ndarray, length: int) -> list[dict[str, np.ndarray]]:
+  """A document's next-token examples: `(inputs, targets)` of at most `length` tokens each,
+  consecutive pieces sharing one token, so each of `ids[1:]` is a target once."""
+  return [{"inputs": ids[s:s + length], "targets": ids[s + 1:s + length + 1]}
+          for s in range(0, len(ids) - 1, length)]
+
+
+class ShardIterator(grain.DatasetIterator):
+  """Shard `shard` of `shards` of a source's records, epoch after epoch (endlessly, or
+  `epochs` times), as next-token examples. Its state: `{"epoch", "file", "pos",
+  "record", "piece", "skipped"}` (see the module docstring)."""
+
+  def __init__(self, source: TextSource, tokenizer: Tokenizer, *, length: int, shard: int,
+               shards: int, seed: int, bad_records: str = "stop", shuffle: bool = True,
+               epochs: int | None = None):
+    super().__init__()
+    self.epochs = epochs  # None: endless; else StopIteration after that many passes.
+    self.source, self.tokenizer, self.length = source, tokenizer, length
+    self.shard, self.shards, self.seed, self.shuffle = shard, shards, seed, shuffle
+    self.bad_records = bad_records
+    self.skipped = dict.fromkeys(BAD_KINDS, 0)
+    self._epoch, self._file, self._pos, self._record = 0, 0, 0, 0
+    self._piece = 0  # Pieces of the current record already handed out.
+    self._pending: list = []  # The current record's remaining pieces.
+    self._reader = None
+    self._empty_epochs = 0
+
+  # -- The order: files per epoch ------------------------------------------------------
+
+  def _files(self, epoch: int) -> list[str]:
+    files = list(self.source.files)
+    if self.shuffle and len(files) > 1:
+      order = np.random.default_rng((self.seed, self.shard, epoch)).permutation(len(files))
+      files = [files[i] for i in order]
+    return files
+
+  def _open(self):
+    path = self._files(self._epoch)[self._file]
+    if format_of(path) == "jsonl":
+      self._reader = _JsonLines(path, self.source.field, self._pos, self._record)
+    else:
+      self._reader = _ParquetRows(path, self.source.field, self._record)
+
+  # -- Reading ---------------------------------------------------------------------------
+
+  def __next__(self):
+    while not self._pending:
+      self._read_record()
+    self._piece += 1
+    example = self._pending.pop(0)
+    if not self._pending:
+      self._piece = 0
+    return example
+
+  def _read_record(self) -> None:
+    """Reads this shard's next record: its pieces into `_pending` (after the `_piece`
+    handed out before a restore), or a bad record counted (or raised)."""
+    if self.epochs is not None and self._epoch >= self.epochs:
+      raise StopIteration
+    if self._reader is None:
+      self._open()
+    item = self._reader.next_for(self.shard, self.shards)
+    if item is None:  # The file is done: the next one, or the next epoch.
+      self._reader = None
+      self._file, self._pos, self._record, self._piece = self._file + 1, 0, 0, 0
+      if self._file == len(self.source.files):
+        self._epoch, self._file = self._epoch + 1, 0
+        self._empty_epochs += 1
+        if self._empty_epochs > 1:
+          raise CorpusError(f"source {self.source.name!r}: shard {self.shard} of "
+                            f"{self.shards} holds no readable record (its files hold fewer "
+                            f"records than there are shards, or every record was bad).")
+      return
+    self._record, self._pos, value = item  # Where this record starts.
+    self._reader.advance()
+    kind = value.kind if isinstance(value, BadRecord) else (
+        "missing_field" if not isinstance(value, str) else None)
+    if kind is None:
+      out = pieces(self.tokenizer(value), self.length) if value.strip() else []
+      if out:
+        self._empty_epochs = 0
+        self._pending = out[self._piece:]
+        if not self._pending:
+          self._piece = 0
+        return
+      kind = "empty"
+    self._piece = 0
+    self._bad(kind, self._record)
+
+  def _bad(self, kind: str, record: int) -> None:
+    path = self._files(self._epoch)[self._file]
+    unit = "line" if format_of(path) == "jsonl" else "row"
+    what = {"malformed": "is not a JSON object", "missing_field":
+            f"has no text field {self.source.field!r}", "not_utf8": "is not UTF-8 text",
+            "empty": "is an empty document (fewer than 2 tokens)",
+            "schema": f"is in a file without a string column {self.source.field!r}"}[kind]
+    message = f"{path}: {unit} {record + 1} {what}"
+    if self.bad_records == "stop":
+      raise CorpusError(f"{message}. config.data.bad_records='stop'; set it to 'skip' to "
+                        f"skip such records (they are counted in the logged metrics).")
+    if not any(self.skipped.values()):
+      logging.warning("%s; skipped (config.data.bad_records='skip') and counted.", message)
+    self.skipped[kind] += 1
+
+  # -- Position ----------------------------------------------------------------------------
+
+  def get_state(self):
+    if self._pending:  # Inside a record: its start, and how many of its pieces are out.
+      pos, record, piece = self._pos, self._record, self._piece
+    elif self._reader is not None:
+      pos, record, piece = self._reader.pos, self._reader.record, 0
+    else:
+      pos, record, piece = self._pos, self._record, 0
+    return {"epoch": self._epoch, "file": self._file, "pos": int(pos), "record": int(record),
+            "piece": int(piece), "skipped": dict(self.skipped)}
+
+  def set_state(self, state):
+    self._epoch, self._file = state["epoch"], state["file"]
+    self._pos, self._record, self._piece = state["pos"], state["record"], state["piece"]
+    self.skipped = {k: int(state.get("skipped", {}).get(k, 0)) for k in BAD_KINDS}
+    self._pending, self._reader = [], None
+
+
+@dataclasses.dataclass(frozen=True)
+class BadRecord:
+  kind: str
+
+
+class _JsonLines:
+  """A JSONL file (gzip too) from byte offset `pos`, line `record`; `next_for` returns the
+  next line of a shard as `(line, offset, text or BadRecord)` without moving past it."""
+
+  def __init__(self, path: str, field: str, pos: int, record: int):
+    self.path, self.field = path, field
+    self._file = gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb")
+    self._file.seek(pos)
+    self.pos, self.record = pos, record
+    self._line = None
+
+  def next_for(self, shard: int, shards: int):
+    while True:
+      if self._line is None:
+        self._line = self._file.readline()
+      if not self._line:
+        self._file.close()
+        return None
+      if self.record % shards == shard and self._line.strip():
+        return self.record, self.pos, self._parse(self._line, self.field)
+      self.advance()
+
+  def advance(self) -> None:
+    self.pos += len(self._line)
+    self.record += 1
+    self._line = None
+
+  @staticmethod
+  def _parse(line: bytes, field: str):
+    try:
+      text = line.decode("utf-8")
+    except UnicodeDecodeError:
+      return BadRecord("not_utf8")
+    try:
+      record = json.loads(text)
+    except json.JSONDecodeError:
+      return BadRecord("malformed")
+    return record.get(field) if isinstance(record, dict) else BadRecord("malformed")
+
+
+class _ParquetRows:
+  """A Parquet file's `field` column from row `record`, one row group in memory."""
+
+  def __init__(self, path: str, field: str, record: int):
+    import pyarrow.parquet as pq
+
+    self.path, self.field = path, field
+    self._file = pq.ParquetFile(path)
+    schema = self._file.schema_arrow
+    self.bad_schema = field not in schema.names or str(schema.field(field).type) not in (
+        "string", "large_string")
+    self.record = self.pos = record
+    self._group, self._start, self._column = -1, 0, None
+    self._rows = self._file.metadata.num_rows
+
+  def _load(self, row: int) -> None:
+    start = 0
+    for g in range(self._file.num_row_groups):
+      n = self._file.metadata.row_group(g).num_rows
+      if row < start + n:
+        self._group, self._start = g, start
+        self._column = self._file.read_row_group(g, columns=[self.field]).column(0).to_pylist()
+        return
+      start += n
+
+  def next_for(self, shard: int, shards: int):
+    while self.record < self._rows:
+      if self.record % shards == shard:
+        if self.bad_schema:
+          return self.record, self.record, BadRecord("schema")
+        if not self._start <= self.record < self._start + len(self._column or ()):
+          self._load(self.record)
+        return self.record, self.record, self._column[self.record - self._start]
+      self.advance()
+    return None
+
+  def advance(self) -> None:
+    self.record += 1
+    self.pos = self.record
+
+
+def shard_dataset(source: TextSource, tokenizer: Tokenizer, **kwargs) -> grain.IterDataset:
+  """`ShardIterator` as a Grain dataset (what `trainer.data.lm` packs and mixes)."""
+  return _ShardDataset(source, tokenizer, kwargs)
+
+
+class _ShardDataset(grain.IterDataset):
+  def __init__(self, source: TextSource, tokenizer: Tokenizer, kwargs: dict):
+    super().__init__()
+    self._args = (source, tokenizer, kwargs)
+
+  def __iter__(self) -> ShardIterator:
+    source, tokenizer, kwargs = self._args
+    return ShardIterator(source, tokenizer, **kwargs)
+
+
+def check_schemas(source: TextSource, bad_records: str) -> None:
+  """Reads each Parquet file's schema (its footer) before any compute: under
+  `bad_records="stop"` a file without the text column as a string is refused here."""
+  if bad_records != "stop":
+    return
+  import pyarrow.parquet as pq
+  for path in (f for f in source.files if format_of(f) == "parquet"):
+    schema = pq.read_schema(path)
+    if source.field not in schema.names or str(schema.field(source.field).type) not in (
+        "string", "large_string"):
+      columns = dict(zip(schema.names, map(str, schema.types), strict=True))
+      raise CorpusError(f"{path}: no string column {source.field!r} (its columns: {columns}); "
+                        f"every file of a source holds its text field. "
+                        f"config.data.bad_records='stop'.")

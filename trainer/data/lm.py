@@ -1,0 +1,345 @@
+"""A language model's train batches from text files, on Grain: tokenized, packed or chunked,
+mixed, per process, resumed exactly.
+
+`config.data` (`configs/lm.py`) names the sources and how rows are made:
+
+- `sources`: one entry per source, each a comma-separated list of paths, globs or
+  directories of `.jsonl`/`.jsonl.gz`/`.parquet` files (`trainer.data.corpus`);
+  `weights` (one per source, default equal) and `text_field`;
+- `tokenizer`: a `tokenizer.json` or a model directory; empty: `config.init_from.path`,
+  the directory the weights come from. BOS/EOS as that directory says (`add_bos`,
+  `add_eos` override);
+- `layout`: `"packed"` (whole documents packed into rows by Grain's first-fit packing,
+  with `segment_ids` and per-document `positions`, padding at a row's end) or
+  `"chunked"` (the documents' tokens concatenated and cut into full rows, attention
+  across document ends, as GPT-2 trained);
+- `lanes`: the global batch's rows come from this many independent streams, lane `i`
+  giving rows `i*g .. i*g + g - 1` of every batch (`g = batch_size / lanes`); each lane
+  reads shard `i` of every source (`corpus.ShardIterator`). A process builds only its
+  own rows' lanes, so it reads only its share of the records, and the global batch is
+  the same for any number of processes that divides `lanes` (0: the largest divisor of
+  `batch_size` up to 8).
+
+A mixture is made per lane after packing (`grain.IterDataset.mix`): each row comes
+from one source, and a source's weight is its share of rows, so of trained tokens
+(up to each row's padding) rather than of documents, whose lengths differ by source.
+
+Resuming: the iterator's state is every lane's Grain state (`get_state`), which
+the loop saves with each checkpoint; restoring seeks each lane's files to where it
+stopped, so a resume costs the same at step 10 as at step 10,000. On several
+processes each holds its own lanes' states; a checkpoint holds all of them, gathered
+when it is saved (`gather_state`, a collective every process enters at the same
+save), so a run resumes on any number of processes that divides `lanes`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import grain
+import ml_collections
+import numpy as np
+
+from trainer.data import corpus as corpus_lib
+from trainer.data import packing
+from trainer.data.corpus import TextSource, Tokenizer
+from trainer.loop.actions import Action
+
+LAYOUTS = ("packed", "chunked")
+#: The state's keys: the lane count (the state is valid for any process layout that
+#: divides it), and each lane's Grain state by lane; `PROCESS_KEY` marks the states of
+#: one process's lanes only, before `gather_state`.
+LANES_KEY = "corpus_lanes"
+STATES_KEY = "lane_states"
+PROCESS_KEY = "of_process"
+MAX_DEFAULT_LANES = 8
+
+
+def lanes_for(batch_size: int, lanes: int) -> int:
+  """`lanes`, or for 0 the largest divisor of `batch_size` up to `MAX_DEFAULT_LANES`."""
+  if lanes:
+    return lanes
+  return max(d for d in range(1, MAX_DEFAULT_LANES + 1) if batch_size % d == 0)
+
+
+class Corpus:
+  """The train batches `config.data` describes: `corpus(start_step)` is what `fit` takes.
+
+  Args:
+    sources: the resolved sources (`from_config`).
+    weights: one per source.
+    tokenizer: `trainer.data.corpus.Tokenizer`.
+    length: tokens per row (`config.seq_len`).
+    batch_size: rows per global batch.
+    rows: this process's rows of each batch (`strategy.process_slice(batch_size)`).
+    lanes, layout, bad_records, shuffle_files, seed: see the module docstring.
+  """
+
+  def __init__(self, sources: Sequence[TextSource], weights: Sequence[float],
+               tokenizer: Tokenizer, *, length: int, batch_size: int,
+               rows: slice = slice(None), lanes: int = 0, layout: str = "packed",
+               bad_records: str = "stop", shuffle_files: bool = True, seed: int = 0,
+               epochs: int | None = None):
+    self.epochs = epochs  # None: endless (training); 1: one pass (held-out data).
+    self.sources, self.weights, self.tokenizer = tuple(sources), tuple(weights), tokenizer
+    self.length, self.batch_size, self.layout = length, batch_size, layout
+    self.bad_records, self.shuffle_files, self.seed = bad_records, shuffle_files, seed
+    self.lanes = lanes_for(batch_size, lanes)
+    if batch_size % self.lanes:
+      raise ValueError(f"config.data.lanes={lanes} does not divide config.batch_size="
+                       f"{batch_size}; each lane gives batch_size / lanes rows of a batch.")
+    self.rows_per_lane = batch_size // self.lanes
+    start, stop, _ = rows.indices(batch_size)
+    if start % self.rows_per_lane or stop % self.rows_per_lane:
+      raise ValueError(
+          f"this process feeds rows {start}:{stop} of each config.batch_size={batch_size} "
+          f"batch, which do not fall on the {self.lanes} lanes of {self.rows_per_lane} rows "
+          f"(config.data.lanes={lanes}); the processes that split a batch must divide "
+          f"the lanes.")
+    self.my_lanes = range(start // self.rows_per_lane, stop // self.rows_per_lane)
+
+  # -- One lane ----------------------------------------------------------------------------
+
+  def lane_rows(self, lane: int) -> grain.IterDataset:
+    """Lane `lane`'s rows, one at a time: each source's packed (or chunked), mixed."""
+    per_source = [self._rows(i, source, lane) for i, source in enumerate(self.sources)]
+    return per_source[0] if len(per_source) == 1 else grain.IterDataset.mix(
+        per_source, list(self.weights))
+
+  def lane_dataset(self, lane: int) -> grain.IterDataset:
+    """Lane `lane`'s rows, `rows_per_lane` at a time (one block of each global batch)."""
+    return self.lane_rows(lane).batch(self.rows_per_lane, drop_remainder=True)
+
+  def _rows(self, index: int, source: TextSource, lane: int) -> grain.IterDataset:
+    examples = corpus_lib.shard_dataset(
+        source, self.tokenizer, length=self.length, shard=lane, shards=self.lanes,
+        seed=(self.seed, index), bad_records=self.bad_records, shuffle=self.shuffle_files,
+        epochs=self.epochs)
+    lengths = {"inputs": self.length, "targets": self.length}
+    if self.layout == "chunked":
+      return grain.experimental.ConcatThenSplitIterDataset(
+          examples, length_struct=lengths).map(_chunked_row)
+    packed = grain.experimental.FirstFitPackIterDataset(
+        examples, length_struct=lengths, num_packing_bins=self.rows_per_lane,
+        shuffle_bins=False)
+    return packed.map(_packed_row)
+
+  # -- What `fit` takes ------------------------------------------------------------------------
+
+  def __call__(self, start_step: int = 0) -> CorpusIterator:
+    return CorpusIterator(self, start_step)
+
+
+def _chunked_row(row: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+  return {k: np.asarray(row[k], np.int32) for k in ("inputs", "targets")}
+
+
+def _packed_row(row: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+  return {"inputs": np.asarray(row["inputs"], np.int32),
+          "targets": np.asarray(row["targets"], np.int32),
+          packing.SEGMENT_IDS: np.asarray(row["inputs_segment_ids"], np.int32),
+          packing.POSITIONS: np.asarray(row["inputs_positions"], np.int32)}
+
+
+class CorpusIterator:
+  """This process's rows of global batches `start, start + 1, ...`: its lanes' blocks side
+  by side. `get_state()` holds its lanes' Grain states; `set_state` takes a checkpoint's
+  (all lanes', `gather_state`) or this process's own."""
+
+  def __init__(self, corpus: Corpus, start: int = 0):
+    self.corpus = corpus
+    self._iterators = {lane: iter(corpus.lane_dataset(lane)) for lane in corpus.my_lanes}
+    self._start = start  # Batches to skip at the first `next` unless a state is set.
+
+  def __iter__(self) -> CorpusIterator:
+    return self
+
+  def __next__(self) -> dict[str, np.ndarray]:
+    if self._start:  # No saved position to seek to: read up to the start (O(start)).
+      start, self._start = self._start, 0
+      for _ in range(start):
+        next(self)
+    blocks = [next(it) for it in self._iterators.values()]
+    return {k: np.concatenate([b[k] for b in blocks]).astype(np.int32) for k in blocks[0]}
+
+  def get_state(self) -> dict[str, Any]:
+    return {LANES_KEY: self.corpus.lanes, PROCESS_KEY: True,
+            STATES_KEY: {str(lane): it.get_state() for lane, it in self._iterators.items()}}
+
+  def set_state(self, state: Mapping[str, Any]) -> None:
+    check_state(state, self.corpus.lanes)
+    states = state[STATES_KEY]
+    missing = [lane for lane in self._iterators if str(lane) not in states]
+    if missing:
+      raise ValueError(f"the train data state holds lanes {sorted(map(int, states))}; this "
+                       f"process reads lanes {list(self._iterators)} ({missing} missing): a "
+                       f"state of one process's lanes resumes on that process only.")
+    for lane, it in self._iterators.items():
+      it.set_state(states[str(lane)])
+    self._start = 0
+
+  def skipped(self) -> dict[str, int]:
+    """Bad records skipped by this process's lanes so far, by kind."""
+    return skipped_records(self.get_state())
+
+
+def check_state(state: Any, lanes: int) -> None:
+  """Raises unless `state` is a corpus state of `lanes` lanes."""
+  if not isinstance(state, Mapping) or LANES_KEY not in state:
+    raise ValueError(f"train data state {str(state)[:200]!r} is not a corpus position "
+                     f"(trainer.data.lm); the checkpoint was written by another pipeline.")
+  if state[LANES_KEY] != lanes:
+    raise ValueError(f"the checkpoint's train data position is over {state[LANES_KEY]} "
+                     f"lanes, but this run reads {lanes} (config.data.lanes, or "
+                     f"config.batch_size for lanes=0). Each lane is its own stream, so the "
+                     f"data cannot continue on another number of lanes: set "
+                     f"config.data.lanes={state[LANES_KEY]}.")
+
+
+def _walk_skipped(state: Any, totals: dict[str, int]) -> None:
+  if isinstance(state, Mapping):
+    if "skipped" in state and isinstance(state["skipped"], Mapping) and "epoch" in state:
+      for kind, n in state["skipped"].items():
+        totals[kind] = totals.get(kind, 0) + int(n)
+      return
+    for value in state.values():
+      _walk_skipped(value, totals)
+  elif isinstance(state, (list, tuple)):
+    for value in state:
+      _walk_skipped(value, totals)
+
+
+def skipped_records(state: Any) -> dict[str, int]:
+  """Bad records skipped, by kind, summed over the lanes and sources of a corpus state."""
+  totals = dict.fromkeys(corpus_lib.BAD_KINDS, 0)
+  _walk_skipped(state, totals)
+  return totals
+
+
+def gather_state(state: Any) -> Any:
+  """A corpus state of one process's lanes made every process's (a collective: all
+  processes call it at the same save); any other state as it is."""
+  if not isinstance(state, Mapping) or not state.get(PROCESS_KEY):
+    return state
+  from trainer.distributed import agree
+  merged: dict[str, Any] = {}
+  for states in agree.every_process_json(state[STATES_KEY]):
+    merged.update(states)
+  return {LANES_KEY: state[LANES_KEY], STATES_KEY: dict(sorted(merged.items(), key=lambda kv:
+                                                                   int(kv[0])))}
+
+
+class CorpusMetrics(Action):
+  """Writes the bad records skipped so far, by kind, summed over every process's lanes
+  (`data/skipped_<kind>`), every `every_steps` and at the end, so that none is dropped
+  silently. It gathers the processes' counts: every process runs it at the same steps
+  (the loop's schedule)."""
+
+  def __init__(self, writer, *, every_steps: int):
+    super().__init__(every_steps=every_steps)
+    self.writer = writer
+
+  def triggers(self, view) -> bool:
+    return bool(view.crossed(self.every_steps)) or view.is_last
+
+  def next_boundary(self, step: int) -> None:
+    return None  # Cumulative counts: any step after a boundary reports them.
+
+  def run(self, view) -> None:
+    counts = skipped_records(gather_state(view.data_state))
+    self.writer.write_scalars(view.step, {f"data/skipped_{k}": v for k, v in counts.items()})
+
+
+# -- From the config -------------------------------------------------------------------------
+
+
+def check_config(config: ml_collections.ConfigDict) -> None:
+  """Raises for the first `config.data` field a corpus run cannot take (before any compute):
+  a file that does not exist, a glob that matches none, weights that do not match the
+  sources, a layout or policy not among those accepted."""
+  data = config.data
+  if not data.sources:
+    return
+  if isinstance(data.sources, str):
+    raise ValueError(f"config.data.sources={data.sources!r} must be a tuple of sources "
+                     f"(one string each), e.g. ({data.sources!r},).")
+  if data.layout not in LAYOUTS:
+    raise ValueError(f"config.data.layout={data.layout!r} is not one of {LAYOUTS}.")
+  if data.bad_records not in corpus_lib.BAD_RECORDS:
+    raise ValueError(f"config.data.bad_records={data.bad_records!r} is not one of "
+                     f"{corpus_lib.BAD_RECORDS}.")
+  if data.weights and len(data.weights) != len(data.sources):
+    raise ValueError(f"config.data.weights={tuple(data.weights)} has {len(data.weights)} "
+                     f"weights for {len(data.sources)} sources; give one per source, or none "
+                     f"(equal).")
+  if not isinstance(data.lanes, int) or data.lanes < 0:
+    raise ValueError(f"config.data.lanes={data.lanes!r} must be an integer >= 0 (0: "
+                     f"automatic).")
+  lanes = lanes_for(config.batch_size, data.lanes)
+  if config.batch_size % lanes:
+    raise ValueError(f"config.data.lanes={data.lanes} does not divide config.batch_size="
+                     f"{config.batch_size}.")
+  for source in resolve_sources(config):
+    corpus_lib.check_schemas(source, data.bad_records)
+  tokenizer_path(config)
+
+
+def resolve_sources(config) -> list[TextSource]:
+  data = config.data
+  weights = tuple(data.weights) or (1.0,) * len(data.sources)
+  return [corpus_lib.resolve(spec, field=data.text_field, weight=w,
+                             where=f"config.data.sources[{i}]")
+          for i, (spec, w) in enumerate(zip(data.sources, weights, strict=True))]
+
+
+def tokenizer_path(config) -> str:
+  path = config.data.tokenizer or config.init_from.path
+  if not path:
+    raise ValueError("config.data.tokenizer is empty and so is config.init_from.path: name a "
+                     "tokenizer.json, or the model directory the weights come from.")
+  return path
+
+
+def from_config(config, rows: slice = slice(None)) -> Corpus:
+  """The `Corpus` of `config.data` for this process's `rows`
+  (`trainer.strategy.process_slice(config.batch_size)`)."""
+  check_config(config)
+  data = config.data
+  sources = resolve_sources(config)
+  tokenizer = Tokenizer(tokenizer_path(config), add_bos=data.add_bos,
+                                   add_eos=data.add_eos)
+  if "model" in config and tokenizer.vocab_size > config.model.vocab_size:
+    raise ValueError(f"the tokenizer {tokenizer.path} has {tokenizer.vocab_size} tokens but "
+                     f"config.model.vocab_size={config.model.vocab_size}.")
+  return Corpus(sources, [s.weight for s in sources], tokenizer, length=config.seq_len,
+                batch_size=config.batch_size, rows=rows, lanes=data.lanes,
+                layout=data.layout, bad_records=data.bad_records,
+                shuffle_files=data.shuffle_files, seed=config.seed)
+
+
+def eval_batches(config) -> list[dict[str, np.ndarray]]:
+  """Up to `config.data.eval_batches` global batches of `config.eval_batch_size` rows from
+  one pass over `config.data.eval_sources` (in order: one lane, files unshuffled), the
+  same on every process and in every run; [] without eval sources."""
+  data = config.data
+  if not data.eval_sources:
+    return []
+  held_out = ml_collections.ConfigDict(config.to_dict())
+  with held_out.unlocked():
+    held_out.data.update(sources=tuple(data.eval_sources), weights=(), lanes=1,
+                         shuffle_files=False)
+    held_out.batch_size = config.eval_batch_size
+  corpus = from_config(held_out)
+  corpus.epochs = 1
+  iterator = corpus()
+  batches = []
+  for _ in range(data.eval_batches):
+    try:
+      batches.append(next(iterator))
+    except StopIteration:
+      break
+  if not batches:
+    raise ValueError(f"config.data.eval_sources={tuple(data.eval_sources)} hold fewer than "
+                     f"one batch of config.eval_batch_size={config.eval_batch_size} rows.")
+  return batches
