@@ -133,6 +133,12 @@ def corpus_fields() -> ml_collections.ConfigDict:
       lanes=0,  # Independent row streams; processes must divide it. 0: <= 8, divides batch.
       bad_records="stop",  # "stop" naming the file and line, or "skip" and count.
       shuffle_files=True,  # Each lane's file order drawn per epoch from config.seed.
+      # Instruction data: each JSONL record a `messages` list or `prompt` and `response`
+      # fields, rendered with the model's chat template; the loss covers the responses.
+      chat=False,
+      messages_field="messages",
+      prompt_field="prompt",
+      response_field="response",
       eval_sources=(),  # Held-out files, read in order; empty: the synthetic held-out set.
       eval_batches=4,  # Eval batches read from eval_sources.
   ))

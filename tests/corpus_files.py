@@ -83,3 +83,40 @@ def write_corpus(root: pathlib.Path, docs: int = 60) -> dict[str, pathlib.Path]:
           "a": write_jsonl(root / "corpus" / "a.jsonl", sizes[:third]),
           "b": write_jsonl(root / "corpus" / "b.jsonl.gz", sizes[third:2 * third]),
           "c": write_parquet(root / "corpus" / "c.parquet", sizes[2 * third:])}
+
+
+#: Chat templates as models publish them: Llama 3's (BOS, header tokens, trimmed content,
+#: end of turn) and ChatML's (Qwen2's, with its default system turn).
+LLAMA3_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}{{ '<|start_header_id|>' + message['role'] "
+    "+ '<|end_header_id|>\\n\\n' + message['content'] | trim + '<|eot_id|>' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}"
+    "{% endif %}")
+CHATML_TEMPLATE = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}{% endif %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+CHAT_SPECIALS = ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>",
+                 "<|im_start|>", "<|im_end|>"]
+
+
+def write_chat_tokenizer(directory: pathlib.Path, template: str) -> pathlib.Path:
+  """A byte-level BPE `tokenizer.json` (the chat tokens special) and a
+  `tokenizer_config.json` with `template`, as a Hugging Face model directory holds them."""
+  from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+  tokenizer = Tokenizer(models.BPE())
+  tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tokenizer.decoder = decoders.ByteLevel()
+  text = [cf_text for cf_text in ("what is the capital of france", "paris is the capital",
+                                  "you are a helpful assistant", "user assistant system")]
+  tokenizer.train_from_iterator(text * 20, trainers.BpeTrainer(
+      vocab_size=300, special_tokens=CHAT_SPECIALS,
+      initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+  directory.mkdir(parents=True, exist_ok=True)
+  tokenizer.save(str(directory / "tokenizer.json"))
+  (directory / "tokenizer_config.json").write_text(json.dumps({
+      "bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>", "chat_template": template,
+      "tokenizer_class": "PreTrainedTokenizerFast"}))
+  return directory

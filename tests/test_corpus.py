@@ -272,3 +272,89 @@ def test_a_run_killed_mid_epoch_resumes_the_same_batches_and_parameters(tmp_path
   for name in a.files:
     np.testing.assert_array_equal(a[name], b[name], err_msg=name)
   assert os.path.exists(tmp_path / "killed" / "checkpoints" / "12")
+
+
+# -- Instruction data ------------------------------------------------------------------------
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "what is the capital of france"},
+     {"role": "assistant", "content": "paris is the capital"}],
+    [{"role": "system", "content": "you are a helpful assistant"},
+     {"role": "user", "content": "capital of france ?"},
+     {"role": "assistant", "content": " paris "},
+     {"role": "user", "content": "what is the capital"},
+     {"role": "assistant", "content": "paris"}],
+]
+
+
+@pytest.mark.parametrize("template", ["LLAMA3_TEMPLATE", "CHATML_TEMPLATE"])
+def test_a_chat_template_renders_as_transformers_and_weighs_the_assistant_turns(tmp_path,
+                                                                                 template):
+  transformers = pytest.importorskip("transformers")
+  root = cf.write_chat_tokenizer(tmp_path, getattr(cf, template))
+  theirs = transformers.AutoTokenizer.from_pretrained(str(root))
+  ours = corpus.Tokenizer(str(root))
+  for messages in CONVERSATIONS:
+    text, spans = ours.chat_template().render_with_spans(messages)
+    assert text == theirs.apply_chat_template(messages, tokenize=False)
+    assert ours.chat_template().render(messages[:1], add_generation_prompt=True) == \
+        theirs.apply_chat_template(messages[:1], tokenize=False, add_generation_prompt=True)
+    ids, weights = ours.encode_chat(messages)
+    encoded = theirs.apply_chat_template(messages, tokenize=True)
+    assert ids.tolist() == list(getattr(encoded, "input_ids", None) or encoded["input_ids"]
+                                if not isinstance(encoded, list) else encoded)
+    # The weighted tokens are the assistant turns (and their end-of-turn tokens), in order.
+    trained = ours.tokenizer.decode(ids[weights > 0].tolist(), skip_special_tokens=False)
+    turns = "".join(text[a:b] for a, b in spans)
+    assert trained == turns
+    assert all(m["content"].strip() in turns for m in messages if m["role"] == "assistant")
+    assert not any(m["content"] in turns for m in messages if m["role"] == "user")
+
+
+def test_the_loss_covers_the_response_tokens_alone(tmp_path):
+  from trainer.language_model import LanguageModelTrainer
+
+  root = cf.write_chat_tokenizer(tmp_path, cf.LLAMA3_TEMPLATE)
+  records = tmp_path / "chat.jsonl"
+  records.write_text("".join(json.dumps(r) + "\n" for r in [
+      {"prompt": "what is the capital of france", "response": "paris is the capital"},
+      {"messages": CONVERSATIONS[1]}] * 4))
+  config = corpus_config({"tokenizer": root, "a": records}, chat=True, lanes=1)
+  config.model.vocab_size = 320
+  config.seq_len = 32
+  batch = next(lm.from_config(config)())
+  weights = batch[packing.LOSS_WEIGHTS]
+  real = batch[packing.SEGMENT_IDS] > 0
+  assert weights.dtype == np.float32 and set(np.unique(weights)) == {0.0, 1.0}
+  assert (weights[~real] == 0).all() and 0 < weights.sum() < real.sum()
+  trainer = LanguageModelTrainer(config)
+  logits = np.random.default_rng(0).normal(size=(*batch["targets"].shape, 320)).astype(
+      np.float32)
+
+  def loss(targets):
+    return np.asarray(trainer.loss(logits, {**batch, "targets": targets}))
+
+  base = loss(batch["targets"])
+  row, col = np.argwhere(real & (weights == 0))[0]  # A prompt token's target.
+  changed = batch["targets"].copy()
+  changed[row, col] = (changed[row, col] + 1) % 300
+  np.testing.assert_array_equal(loss(changed), base)
+  row, col = np.argwhere(weights == 1)[0]  # A response token's target.
+  changed = batch["targets"].copy()
+  changed[row, col] = (changed[row, col] + 1) % 300
+  assert loss(changed)[row] != base[row]
+
+
+def test_instruction_data_without_a_template_or_turns_is_refused(tmp_path, files):
+  records = tmp_path / "chat.jsonl"
+  records.write_text(json.dumps({"prompt": "w1", "answer": "w2"}) + "\n")
+  config = corpus_config(files, sources=(str(records),), chat=True)
+  from trainer.data.chat import ChatError
+  with pytest.raises(ChatError, match=r"tokenizer_config.json has no chat_template"):
+    lm.from_config(config)
+  root = cf.write_chat_tokenizer(tmp_path / "model", cf.CHATML_TEMPLATE)
+  config.data.tokenizer = str(root)
+  config.model.vocab_size = 320
+  with pytest.raises(corpus.CorpusError, match=r"chat.jsonl: line 1 has neither a 'messages' "
+                                               r"list .* 'prompt' and 'response' fields"):
+    next(lm.from_config(config)())

@@ -57,8 +57,10 @@ class LanguageModelTrainer(Trainer):
   Batches hold `inputs` and `targets`, both `[batch, length]` token ids, the
   targets shifted one position left. A packed batch (`trainer.data.packing`) also holds
   `segment_ids` and `positions`, which the model takes: attention stays within each
-  document, and the loss averages only the real (not padding) tokens. A subclass may
-  override `build_model`.
+  document, and the loss averages only the real (not padding) tokens. A batch of
+  instruction data holds `loss_weights` (each target's weight: 1 for a response's tokens,
+  0 for the prompt's), and each row's loss is the weighted mean. A subclass may override
+  `build_model`.
   """
 
   input_key = "inputs"
@@ -94,9 +96,13 @@ class LanguageModelTrainer(Trainer):
       return self.loss(outputs.logits, batch) + extra
     per_token = optax.softmax_cross_entropy_with_integer_labels(outputs,
                                                                 batch[self.target_key])
-    if packing.SEGMENT_IDS not in batch:
+    if packing.SEGMENT_IDS not in batch and packing.LOSS_WEIGHTS not in batch:
       return per_token.mean(axis=-1)
-    real = (batch[packing.SEGMENT_IDS] > 0).astype(per_token.dtype)
+    real = jnp.ones_like(per_token)
+    if packing.SEGMENT_IDS in batch:
+      real = (batch[packing.SEGMENT_IDS] > 0).astype(per_token.dtype)
+    if packing.LOSS_WEIGHTS in batch:  # Instruction data: the response's tokens alone.
+      real = real * batch[packing.LOSS_WEIGHTS].astype(per_token.dtype)
     return (per_token * real).sum(axis=-1) / jnp.maximum(real.sum(axis=-1), 1.0)
 
   def train_metrics(self, outputs, batch: Batch, loss: jax.Array):

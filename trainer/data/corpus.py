@@ -46,7 +46,7 @@ FORMATS = ("jsonl", "parquet")
 DIRECTORY_ENDINGS = (".jsonl", ".jsonl.gz", ".parquet")
 BAD_RECORDS = ("stop", "skip")
 #: The kinds of bad record, as counted under `bad_records="skip"`.
-BAD_KINDS = ("malformed", "missing_field", "not_utf8", "empty", "schema")
+BAD_KINDS = ("malformed", "missing_field", "not_utf8", "empty", "schema", "missing_chat")
 
 
 class CorpusError(ValueError):
@@ -141,6 +141,28 @@ class Tokenizer:
                           f"generation_config.json).")
     self.add_bos, self.add_eos = want_bos, want_eos
     self.vocab_size = self.tokenizer.get_vocab_size()
+    self.settings, self.settings_path = settings, os.path.join(directory, "tokenizer_config.json")
+    self._chat = None
+
+  def chat_template(self):
+    """The model's chat template (`trainer.data.chat.ChatTemplate`).
+
+    Raises:
+      ChatError: `tokenizer_config.json` holds none.
+    """
+    if self._chat is None:
+      from trainer.data.chat import ChatTemplate
+      self._chat = ChatTemplate.from_tokenizer_config(self.settings, self.settings_path)
+    return self._chat
+
+  def encode_chat(self, messages) -> tuple[np.ndarray, np.ndarray]:
+    """A conversation rendered with the chat template and tokenized as rendered (the template
+    writes its own BOS and end-of-turn tokens), and each token's loss weight: 1 for the
+    assistant turns' tokens, 0 for the rest."""
+    text, spans = self.chat_template().render_with_spans(messages)
+    encoding = self.tokenizer.encode(text, add_special_tokens=False)
+    weights = [float(any(a <= start < b for a, b in spans)) for start, _ in encoding.offsets]
+    return np.asarray(encoding.ids, np.int32), np.asarray(weights, np.float32)
 
   def _special(self, token, token_id) -> int | None:
     if isinstance(token, dict):  # {"content": "<s>", ...} in older tokenizer configs.
@@ -157,7 +179,7 @@ class Tokenizer:
     return np.asarray(ids, np.int32)
 
   def __getstate__(self):  # Grain's worker processes get the tokenizer by pickling.
-    return {**self.__dict__, "tokenizer": self.tokenizer.to_str()}
+    return {**self.__dict__, "tokenizer": self.tokenizer.to_str(), "_chat": None}
 
   def __setstate__(self, state):
     from tokenizers import Tokenizer as HFTokenizer
@@ -171,11 +193,22 @@ def _read_json(path: str) -> dict:
     return json.load(f)
 
 
-def pieces(ids: np.ndarray, length: int) -> list[dict[str, np.ndarray]]:
+#: The key of each target token's loss weight, in an instruction record's examples.
+WEIGHTS = "loss_weights"
+
+
+def pieces(ids: np.ndarray, length: int, weights: np.ndarray | None = None
+           ) -> list[dict[str, np.ndarray]]:
   """A document's next-token examples: `(inputs, targets)` of at most `length` tokens each,
-  consecutive pieces sharing one token, so each of `ids[1:]` is a target once."""
-  return [{"inputs": ids[s:s + length], "targets": ids[s + 1:s + length + 1]}
-          for s in range(0, len(ids) - 1, length)]
+  consecutive pieces sharing one token, so each of `ids[1:]` is a target once. With
+  `weights` (one per token), each target's weight too (`WEIGHTS`)."""
+  out = []
+  for s in range(0, len(ids) - 1, length):
+    piece = {"inputs": ids[s:s + length], "targets": ids[s + 1:s + length + 1]}
+    if weights is not None:
+      piece[WEIGHTS] = weights[s + 1:s + length + 1]
+    out.append(piece)
+  return out
 
 
 class ShardIterator(grain.DatasetIterator):
@@ -185,8 +218,9 @@ class ShardIterator(grain.DatasetIterator):
 
   def __init__(self, source: TextSource, tokenizer: Tokenizer, *, length: int, shard: int,
                shards: int, seed: int, bad_records: str = "stop", shuffle: bool = True,
-               epochs: int | None = None):
+               epochs: int | None = None, chat: dict | None = None):
     super().__init__()
+    self.chat = chat  # Instruction records: `chat.messages_of`'s field names; None: text.
     self.epochs = epochs  # None: endless; else StopIteration after that many passes.
     self.source, self.tokenizer, self.length = source, tokenizer, length
     self.shard, self.shards, self.seed, self.shuffle = shard, shards, seed, shuffle
@@ -210,7 +244,11 @@ class ShardIterator(grain.DatasetIterator):
   def _open(self):
     path = self._files(self._epoch)[self._file]
     if format_of(path) == "jsonl":
-      self._reader = _JsonLines(path, self.source.field, self._pos, self._record)
+      field = None if self.chat is not None else self.source.field  # None: the whole record.
+      self._reader = _JsonLines(path, field, self._pos, self._record)
+    elif self.chat is not None:
+      raise CorpusError(f"{path}: instruction records (config.data.chat=True) are read from "
+                        f"JSONL files; this is Parquet.")
     else:
       self._reader = _ParquetRows(path, self.source.field, self._record)
 
@@ -246,6 +284,9 @@ class ShardIterator(grain.DatasetIterator):
       return
     self._record, self._pos, value = item  # Where this record starts.
     self._reader.advance()
+    if self.chat is not None and not isinstance(value, BadRecord):
+      self._read_chat(value)
+      return
     kind = value.kind if isinstance(value, BadRecord) else (
         "missing_field" if not isinstance(value, str) else None)
     if kind is None:
@@ -260,13 +301,36 @@ class ShardIterator(grain.DatasetIterator):
     self._piece = 0
     self._bad(kind, self._record)
 
+  def _read_chat(self, record) -> None:
+    from trainer.data.chat import messages_of
+    messages = messages_of(record, **self.chat) if isinstance(record, dict) else None
+    if messages is None:
+      self._piece = 0
+      self._bad("missing_chat", self._record)
+      return
+    ids, weights = self.tokenizer.encode_chat(messages)
+    out = pieces(ids, self.length, weights)
+    out = [p for p in out if p[WEIGHTS].any()] if out else out
+    if not out:
+      self._piece = 0
+      self._bad("empty", self._record)
+      return
+    self._empty_epochs = 0
+    self._pending = out[self._piece:]
+    if not self._pending:
+      self._piece = 0
+
   def _bad(self, kind: str, record: int) -> None:
     path = self._files(self._epoch)[self._file]
     unit = "line" if format_of(path) == "jsonl" else "row"
     what = {"malformed": "is not a JSON object", "missing_field":
             f"has no text field {self.source.field!r}", "not_utf8": "is not UTF-8 text",
             "empty": "is an empty document (fewer than 2 tokens)",
-            "schema": f"is in a file without a string column {self.source.field!r}"}[kind]
+            "schema": f"is in a file without a string column {self.source.field!r}",
+            "missing_chat": f"has neither a {self.chat and self.chat['messages_field']!r} "
+                            f"list of turns with an assistant turn nor text "
+                            f"{self.chat and self.chat['prompt_field']!r} and "
+                            f"{self.chat and self.chat['response_field']!r} fields"}[kind]
     message = f"{path}: {unit} {record + 1} {what}"
     if self.bad_records == "stop":
       raise CorpusError(f"{message}. config.data.bad_records='stop'; set it to 'skip' to "
@@ -303,7 +367,7 @@ class _JsonLines:
   """A JSONL file (gzip too) from byte offset `pos`, line `record`; `next_for` returns the
   next line of a shard as `(line, offset, text or BadRecord)` without moving past it."""
 
-  def __init__(self, path: str, field: str, pos: int, record: int):
+  def __init__(self, path: str, field: str | None, pos: int, record: int):
     self.path, self.field = path, field
     self._file = gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb")
     self._file.seek(pos)
@@ -327,7 +391,7 @@ class _JsonLines:
     self._line = None
 
   @staticmethod
-  def _parse(line: bytes, field: str):
+  def _parse(line: bytes, field: str | None):
     try:
       text = line.decode("utf-8")
     except UnicodeDecodeError:
@@ -336,7 +400,9 @@ class _JsonLines:
       record = json.loads(text)
     except json.JSONDecodeError:
       return BadRecord("malformed")
-    return record.get(field) if isinstance(record, dict) else BadRecord("malformed")
+    if not isinstance(record, dict):
+      return BadRecord("malformed")
+    return record if field is None else record.get(field)
 
 
 class _ParquetRows:

@@ -80,8 +80,9 @@ class Corpus:
                tokenizer: Tokenizer, *, length: int, batch_size: int,
                rows: slice = slice(None), lanes: int = 0, layout: str = "packed",
                bad_records: str = "stop", shuffle_files: bool = True, seed: int = 0,
-               epochs: int | None = None):
+               epochs: int | None = None, chat: dict | None = None):
     self.epochs = epochs  # None: endless (training); 1: one pass (held-out data).
+    self.chat = chat  # Instruction records (`chat.messages_of`'s field names), or None.
     self.sources, self.weights, self.tokenizer = tuple(sources), tuple(weights), tokenizer
     self.length, self.batch_size, self.layout = length, batch_size, layout
     self.bad_records, self.shuffle_files, self.seed = bad_records, shuffle_files, seed
@@ -115,8 +116,10 @@ class Corpus:
     examples = corpus_lib.shard_dataset(
         source, self.tokenizer, length=self.length, shard=lane, shards=self.lanes,
         seed=(self.seed, index), bad_records=self.bad_records, shuffle=self.shuffle_files,
-        epochs=self.epochs)
+        epochs=self.epochs, chat=self.chat)
     lengths = {"inputs": self.length, "targets": self.length}
+    if self.chat is not None:
+      lengths[corpus_lib.WEIGHTS] = self.length
     if self.layout == "chunked":
       return grain.experimental.ConcatThenSplitIterDataset(
           examples, length_struct=lengths).map(_chunked_row)
@@ -131,15 +134,21 @@ class Corpus:
     return CorpusIterator(self, start_step)
 
 
+def _weights(row: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+  if corpus_lib.WEIGHTS not in row:
+    return {}
+  return {packing.LOSS_WEIGHTS: np.asarray(row[corpus_lib.WEIGHTS], np.float32)}
+
+
 def _chunked_row(row: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-  return {k: np.asarray(row[k], np.int32) for k in ("inputs", "targets")}
+  return {**{k: np.asarray(row[k], np.int32) for k in ("inputs", "targets")}, **_weights(row)}
 
 
 def _packed_row(row: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
   return {"inputs": np.asarray(row["inputs"], np.int32),
           "targets": np.asarray(row["targets"], np.int32),
           packing.SEGMENT_IDS: np.asarray(row["inputs_segment_ids"], np.int32),
-          packing.POSITIONS: np.asarray(row["inputs_positions"], np.int32)}
+          packing.POSITIONS: np.asarray(row["inputs_positions"], np.int32), **_weights(row)}
 
 
 class CorpusIterator:
@@ -161,7 +170,7 @@ class CorpusIterator:
       for _ in range(start):
         next(self)
     blocks = [next(it) for it in self._iterators.values()]
-    return {k: np.concatenate([b[k] for b in blocks]).astype(np.int32) for k in blocks[0]}
+    return {k: np.concatenate([b[k] for b in blocks]) for k in blocks[0]}
 
   def get_state(self) -> dict[str, Any]:
     return {LANES_KEY: self.corpus.lanes, PROCESS_KEY: True,
@@ -312,10 +321,15 @@ def from_config(config, rows: slice = slice(None)) -> Corpus:
   if "model" in config and tokenizer.vocab_size > config.model.vocab_size:
     raise ValueError(f"the tokenizer {tokenizer.path} has {tokenizer.vocab_size} tokens but "
                      f"config.model.vocab_size={config.model.vocab_size}.")
+  chat = None
+  if data.chat:
+    tokenizer.chat_template()  # Refused here if the model directory has none.
+    chat = dict(messages_field=data.messages_field, prompt_field=data.prompt_field,
+                response_field=data.response_field)
   return Corpus(sources, [s.weight for s in sources], tokenizer, length=config.seq_len,
                 batch_size=config.batch_size, rows=rows, lanes=data.lanes,
                 layout=data.layout, bad_records=data.bad_records,
-                shuffle_files=data.shuffle_files, seed=config.seed)
+                shuffle_files=data.shuffle_files, seed=config.seed, chat=chat)
 
 
 def eval_batches(config) -> list[dict[str, np.ndarray]]:

@@ -28,6 +28,9 @@ import numpy as np
 #: The entries a packed batch adds.
 SEGMENT_IDS = "segment_ids"
 POSITIONS = "positions"
+#: Each target token's weight in the loss (instruction data: 1 for the response's tokens,
+#: 0 for the prompt's); a batch without it weighs every real token 1.
+LOSS_WEIGHTS = "loss_weights"
 
 
 class PackingError(ValueError):
