@@ -10,16 +10,18 @@ r"""Fine-tuning a Hugging Face-format language model on a text file (examples/fi
 Empty, the example writes a small randomly initialised GPT-2 in HF format
 into the workdir and starts from that.
 
-Variants: `full` (every weight trains, FSDP over the devices) and `lora` (rank-8
-adapters on the attention and MLP kernels, everything else frozen), for any of them
-(`--config.model.family=llama` makes the local base model a Llama).
+Variants: `full` (every weight trains, FSDP over the devices), `lora` (rank-8
+adapters on the attention and MLP kernels, everything else frozen) and `instruct`
+(`full` on prompt and response pairs rendered with the chat template, the loss on the
+responses: `config.data.chat`), for any of them (`--config.model.family=llama` makes
+the local base model a Llama).
 """
 
 import ml_collections
 
 from configs import base, lm
 
-VARIANTS = ("full", "lora")
+VARIANTS = ("full", "lora", "instruct")
 
 
 def get_config(variant: str = "full") -> ml_collections.ConfigDict:
@@ -60,4 +62,6 @@ def get_config(variant: str = "full") -> ml_collections.ConfigDict:
     # attn/c_proj, mlp/c_fc, mlp/c_proj; Llama's self_attn/{q,k,v,o}_proj, mlp/*_proj).
     config.lora.targets = (".*attn/[^/]*/kernel", ".*mlp/[^/]*/kernel")
     config.learning_rate = 3e-3
+  if variant == "instruct":  # Prompt/response pairs in the chat template; responses trained.
+    config.data.chat = True
   return config

@@ -11,11 +11,16 @@ r"""Fine-tunes a Hugging Face-format language model on a text file, samples from
 - The tokenizer: `--tokenizer` (a `tokenizer.json`), else the model directory's
   own `tokenizer.json`, else a byte-level BPE trained here on the text with the
   model's vocabulary size (saved to `<workdir>/tokenizer.json`).
-- The text: `--text` files (default: this repository's README and docs, a corpus
-  every clone has), 90% to train on, the last 10% held out. Its paragraphs are the
-  documents: the train batches pack them into rows of `config.seq_len` tokens
-  (`trainer.data.packing`: each row's documents kept apart by segment ids, each
-  counting its positions from 0, the padding out of the loss).
+- The text: `--config.data.sources` (a corpus: JSONL or Parquet files), or else
+  `--text` files (default: this repository's README and docs, a corpus every clone
+  has), whose paragraphs are written as JSONL documents into `<workdir>/data`, 90%
+  to train on and every tenth held out. Either way the batches come from the LM
+  data pipeline (`trainer.data.lm`: streamed, tokenized, packed into rows of
+  `config.seq_len` tokens kept apart by segment ids, the position checkpointed).
+- `configs/finetune_lm.py:instruct`: instruction tuning. The example writes prompt and
+  response pairs of the text (a paragraph's opening words, and the rest of it) as
+  JSONL; each is rendered with the model's chat template (a ChatML template is added to
+  a tokenizer trained here) and the loss covers the responses alone.
 
 It prints the validation loss before and after training, a few sampled
 continuations of held-out text, and exports the result as an HF model
@@ -24,6 +29,7 @@ tokenizer), which `transformers.AutoModelForCausalLM.from_pretrained` loads.
 """
 
 import glob
+import json
 import os
 import sys
 
@@ -65,8 +71,16 @@ def read_text(patterns) -> str:
   return "\n\n".join(texts)
 
 
-def load_tokenizer(text: str, vocab_size: int, model_dir: str, workdir: str):
-  """The tokenizer (see the module docstring), with a byte-level decoder."""
+#: A ChatML template (Qwen2's form), added to a tokenizer trained here for instruction data.
+CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + "
+          "message['content'] + '<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt "
+          "%}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+CHAT_TOKENS = ["<|im_start|>", "<|im_end|>"]
+
+
+def load_tokenizer(text: str, vocab_size: int, model_dir: str, workdir: str, chat: bool):
+  """The tokenizer (see the module docstring), with a byte-level decoder; a trained one
+  gets the chat tokens and template when `chat`."""
   from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
   for path in (FLAGS.tokenizer, os.path.join(model_dir, "tokenizer.json")):
@@ -77,10 +91,29 @@ def load_tokenizer(text: str, vocab_size: int, model_dir: str, workdir: str):
   tokenizer.decoder = decoders.ByteLevel()
   tokenizer.train_from_iterator(text.splitlines(), trainers.BpeTrainer(
       vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-      show_progress=False))
+      special_tokens=CHAT_TOKENS if chat else [], show_progress=False))
   path = os.path.join(workdir, "tokenizer.json")
   tokenizer.save(path)
+  if chat:  # Where trainer.data reads the template and the special tokens.
+    with open(os.path.join(workdir, "tokenizer_config.json"), "w") as f:
+      json.dump({"eos_token": "<|im_end|>", "chat_template": CHATML}, f, indent=1)
   return tokenizer, path
+
+
+def write_data(text: str, directory: str, chat: bool) -> tuple[str, str]:
+  """The text's paragraphs as JSONL documents (or, with `chat`, prompt and response pairs:
+  a paragraph's first 8 words, and the rest), every tenth held out: (train, held-out)."""
+  os.makedirs(directory, exist_ok=True)
+  paths = [os.path.join(directory, f"{name}.jsonl") for name in ("train", "valid")]
+  with open(paths[0], "w") as train, open(paths[1], "w") as valid:
+    for i, doc in enumerate(documents(text)):
+      words = doc.split()
+      if chat and len(words) < 12:
+        continue
+      record = ({"prompt": "Continue: " + " ".join(words[:8]), "response": " ".join(words[8:])}
+                if chat else {"text": doc})
+      (valid if i % 10 == 0 else train).write(json.dumps(record) + "\n")
+  return paths[0], paths[1]
 
 
 def write_base_model(config, directory: str) -> None:
@@ -117,19 +150,6 @@ def _batches(config, ids, start: int, count: int, rows=slice(None)):
     windows = np.stack([ids[s:s + config.seq_len + 1] for s in starts])[rows]
     out.append({"inputs": windows[:, :-1], "targets": windows[:, 1:]})
   return out
-
-
-def held_out_batches(config, ids):
-  """Consecutive windows of the held-out ids, in whole batches (at least one)."""
-  import numpy as np
-
-  ids = np.asarray(ids, np.int32)
-  n = max(1, (len(ids) - 1) // config.seq_len)
-  windows = np.stack([ids[i * config.seq_len:i * config.seq_len + config.seq_len + 1]
-                      for i in range(n) if (i + 1) * config.seq_len < len(ids)])
-  return [{"inputs": windows[i:i + config.eval_batch_size, :-1],
-           "targets": windows[i:i + config.eval_batch_size, 1:]}
-          for i in range(0, len(windows), config.eval_batch_size)]
 
 
 def sample(trainer, state, tokenizer, prompts, config, *, tokens: int, seed: int = 0):
@@ -183,13 +203,13 @@ def finetune(config, workdir: str) -> None:
 
   from trainer import LanguageModelTrainer, writers
   from trainer.checkpoint import Checkpointer
-  from trainer.data import packing
+  from trainer.data import lm
   from trainer.distributed.devices import is_primary
   from trainer.export import export_checkpoint
   from trainer.interop import hf
 
   os.makedirs(workdir, exist_ok=True)
-  text = read_text(FLAGS.text)
+  text = "" if config.data.sources else read_text(FLAGS.text)
   model_dir = config.init_from.path
   if not model_dir:
     model_dir = os.path.join(workdir, "base")
@@ -202,32 +222,29 @@ def finetune(config, workdir: str) -> None:
   with config.unlocked():
     config.init_from.path = model_dir
     config.model = ml_collections.ConfigDict(hf.model_fields(model_dir))
-  tokenizer, tokenizer_path = load_tokenizer(text, config.model.vocab_size, model_dir, workdir)
+  tokenizer, tokenizer_path = load_tokenizer(text or "\n", config.model.vocab_size, model_dir,
+                                             workdir, config.data.chat)
   if tokenizer.get_vocab_size() > config.model.vocab_size:
     raise app.UsageError(f"the tokenizer {tokenizer_path} has {tokenizer.get_vocab_size()} "
                          f"tokens but the model's vocab_size is {config.model.vocab_size}.")
-  docs = [ids for ids in (e.ids for e in tokenizer.encode_batch(documents(text))) if ids]
-  split = int(len(docs) * 0.9)
-  train_docs = docs[:split]
-  held_ids = [i for d in docs[split:] for i in d]
-  train_ids = [i for d in train_docs for i in d]
-  ids = train_ids + held_ids
-  if len(held_ids) <= config.seq_len + 1:
-    raise app.UsageError(f"--text holds {len(ids)} tokens: too few to hold out windows of "
-                         f"config.seq_len={config.seq_len}.")
+  with config.unlocked():
+    config.data.tokenizer = tokenizer_path
+    if not config.data.sources:  # The text's paragraphs as a JSONL corpus.
+      train_file, held_file = write_data(text, os.path.join(workdir, "data"),
+                                         config.data.chat)
+      config.data.sources, config.data.eval_sources = (train_file,), (held_file,)
   with open(os.path.join(workdir, "config.json"), "w") as f:  # What trainer.export reads.
     f.write(config.to_json())
 
   trainer = LanguageModelTrainer(config)
   rows = trainer.strategy.process_slice(config.batch_size)
-  held_out = held_out_batches(config, held_ids)
+  stream = lm.from_config(config, rows)  # Streamed, tokenized, packed; checkpointed.
+  held_out = lm.eval_batches(config)
+  if not held_out:
+    raise app.UsageError("config.data.eval_sources is empty: the example reports the "
+                         "validation loss before and after on held-out data.")
   checkpointer = Checkpointer.from_config(config, workdir)
   writer = writers.create_writer(workdir, config.writers, config)
-
-  def stream(start):  # Batch s is the same whichever step a run starts from.
-    return packing.packed_batches(train_docs, length=config.seq_len,
-                                  batch_size=config.batch_size, seed=config.seed,
-                                  start_step=start, rows=rows)
 
   try:
     # The loaded model, evaluated, is the state training starts from (one init, not two);
@@ -236,25 +253,32 @@ def finetune(config, workdir: str) -> None:
     state = trainer.init_state(held_out[0])
     before = trainer.evaluate(state, held_out)["loss"]
     result = trainer.fit(stream, num_steps=config.num_train_steps, checkpointer=checkpointer,
-                         writer=writer, workdir=workdir, state=state if fresh else None)
+                         writer=writer, workdir=workdir, state=state if fresh else None,
+                         actions=[lm.CorpusMetrics(writer, every_steps=config.log_every_steps)])
   finally:
     checkpointer.close()
     writer.close()
   after = trainer.evaluate(result.state, held_out)["loss"]
-  prompts = [held_ids[i:i + config.seq_len // 2]
-             for i in range(0, len(held_ids) - config.seq_len, max(1, len(held_ids) // 4))]
+  first = held_out[0]  # Each row's first document, its first half as a prompt.
+  prompts = [row[(segments == 1)][:config.seq_len // 2].tolist()
+             for row, segments in zip(first["inputs"], first["segment_ids"], strict=True)]
   samples = sample(trainer, result.state, tokenizer, prompts[:FLAGS.samples], config,
                    tokens=min(FLAGS.sample_tokens, config.seq_len // 2))
   if not is_primary():
     return
+  held_tokens = sum(int((b["segment_ids"] > 0).sum()) for b in held_out)
   print(f"validation loss: before={before:.4f} after={after:.4f} "
-        f"({len(train_ids)} train tokens in {len(train_docs)} packed documents / "
-        f"{len(held_ids)} held-out tokens)")
+        f"({config.num_train_steps} steps of {config.batch_size} packed rows of "
+        f"{config.seq_len} tokens from {', '.join(config.data.sources)}; {held_tokens} "
+        f"held-out tokens)")
   for prompt, continuation in samples:
     print(f"--- ...{prompt[-60:]!r}\n+++ {continuation!r}")
   out = os.path.join(workdir, "hf")
   names = export_checkpoint(workdir, out, config=config.to_dict())
   shutil.copy(tokenizer_path, os.path.join(out, "tokenizer.json"))
+  settings = os.path.join(os.path.dirname(tokenizer_path), "tokenizer_config.json")
+  if os.path.isfile(settings):  # The chat template and special tokens go with the model.
+    shutil.copy(settings, os.path.join(out, "tokenizer_config.json"))
   logging.info("exported %d tensors", len(names))
   print(f"exported to {out} (config.json, model.safetensors, tokenizer.json)")
 
