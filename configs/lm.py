@@ -120,8 +120,9 @@ def corpus_fields() -> ml_collections.ConfigDict:
   """`config.data`: the text the LM trains on (`trainer.data.lm`). No sources: the
   synthetic token stream (`trainer.language_model.synthetic_token_batches`)."""
   return ml_collections.ConfigDict(dict(
-      # One entry per source: paths, globs or directories of .jsonl, .jsonl.gz or .parquet
-      # files, comma-separated: --config.data.sources='("corpus/*.jsonl.gz",)'.
+      # One entry per source: paths, globs or directories of .jsonl, .jsonl.gz, .parquet or
+      # .array_record files, comma-separated, or tfds:<name>[@<data_dir>]:<split>:
+      # --config.data.sources='("corpus/*.jsonl.gz",)'.
       sources=(),
       weights=(),  # One per source (its share of rows); empty: equal.
       text_field="text",  # The JSON key or Parquet column that holds a document.

@@ -120,3 +120,52 @@ def write_chat_tokenizer(directory: pathlib.Path, template: str) -> pathlib.Path
       "bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>", "chat_template": template,
       "tokenizer_class": "PreTrainedTokenizerFast"}))
   return directory
+
+
+def write_array_record(path: pathlib.Path, docs: list[tuple[int, int]]) -> pathlib.Path:
+  """`docs` as an ArrayRecord file of JSON objects (one record each)."""
+  from array_record.python.array_record_module import ArrayRecordWriter
+
+  path.parent.mkdir(parents=True, exist_ok=True)
+  writer = ArrayRecordWriter(str(path), "group_size:1")
+  for d, n in docs:
+    writer.write(json.dumps({"text": document(d, n)}).encode())
+  writer.close()
+  return path
+
+
+_TFDS_BUILDER = []
+
+
+def _tfds_builder():
+  """The `corpus_test_text` builder class, defined (and so registered with TFDS) once."""
+  if not _TFDS_BUILDER:
+    import tensorflow_datasets as tfds
+
+    class CorpusTestText(tfds.core.GeneratorBasedBuilder):
+      VERSION = tfds.core.Version("1.0.0")
+      docs: list = []
+
+      def _info(self):
+        return tfds.core.DatasetInfo(
+            builder=self, features=tfds.features.FeaturesDict({"text": tfds.features.Text()}))
+
+      def _split_generators(self, dl_manager):
+        del dl_manager
+        return {"train": self._generate_examples()}
+
+      def _generate_examples(self):
+        for d, n in self.docs:
+          yield d, {"text": document(d, n)}
+
+    _TFDS_BUILDER.append(CorpusTestText)
+  return _TFDS_BUILDER[0]
+
+
+def write_tfds_text(data_dir: pathlib.Path, docs: list[tuple[int, int]]) -> str:
+  """`docs` as the train split of a TFDS dataset `corpus_test_text` prepared as array_record
+  in `data_dir`; returns its source spec."""
+  builder = _tfds_builder()
+  builder.docs = list(docs)
+  builder(data_dir=str(data_dir), file_format="array_record").download_and_prepare()
+  return f"tfds:corpus_test_text@{data_dir}:train"

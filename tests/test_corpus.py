@@ -358,3 +358,41 @@ def test_instruction_data_without_a_template_or_turns_is_refused(tmp_path, files
   with pytest.raises(corpus.CorpusError, match=r"chat.jsonl: line 1 has neither a 'messages' "
                                                r"list .* 'prompt' and 'response' fields"):
     next(lm.from_config(config)())
+
+
+# -- Random-access sources: ArrayRecord, a TFDS text dataset ---------------------------------
+
+
+def test_array_record_and_tfds_sources_train_every_document_once_a_pass(tmp_path, files):
+  sizes = list(enumerate(cf.lengths(30, seed=1)))
+  record_file = cf.write_array_record(tmp_path / "docs.array_record", sizes[:15])
+  spec = cf.write_tfds_text(tmp_path / "tfds", sizes[15:])
+  tokenizer = corpus.Tokenizer(str(files["tokenizer"]))
+  sources = [corpus.resolve(str(record_file), field="text", weight=1.0, where="s0"),
+             corpus.resolve(spec, field="text", weight=1.0, where="s1")]
+  assert sources[1].files == (spec,)
+  for source, part in zip(sources, (sizes[:15], sizes[15:]), strict=True):
+    c = lm.Corpus([source], [1.0], tokenizer, length=LENGTH, batch_size=4, lanes=2, epochs=1)
+    assert dict(target_counts(one_pass(c))) == dict(part)
+  # Resumed from a saved position: the same batches.
+  c = lm.Corpus(sources, [0.5, 0.5], tokenizer, length=LENGTH, batch_size=4, lanes=2)
+  reference, first = c(), c()
+  expected = [next(reference) for _ in range(12)]
+  for _ in range(5):
+    next(first)
+  resumed = c()
+  resumed.set_state(json.loads(json.dumps(lm.gather_state(first.get_state()))))
+  for want in expected[5:]:
+    got = next(resumed)
+    for key in want:
+      np.testing.assert_array_equal(got[key], want[key])
+
+
+def test_a_tfds_source_that_is_not_prepared_is_refused_naming_it(tmp_path):
+  cf.write_tfds_text(tmp_path / "prepared", [(1, 3)])  # Registers the builder.
+  spec = f"tfds:corpus_test_text@{tmp_path / 'empty'}:train"
+  with pytest.raises(corpus.CorpusError, match=r"s0: the TFDS source 'tfds:corpus_test_text@"
+                                               r".*:train' cannot be read \(CorpusError: it is "
+                                               r"not prepared in .*Prepare it first"):
+    corpus.resolve(spec, field="text", weight=1.0, where="s0")
+  assert not (tmp_path / "empty").exists()  # Nothing was prepared or written.

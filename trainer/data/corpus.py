@@ -5,7 +5,10 @@ field that holds each record's text:
 
 - `jsonl`: one JSON object a line (`.jsonl`, `.json`, `.jsonl.gz`, `.json.gz`; gzip
   is read as a stream);
-- `parquet`: the string column `field` (`.parquet`), read one row group at a time.
+- `parquet`: the string column `field` (`.parquet`), read one row group at a time;
+- `array_record`: an ArrayRecord file of JSON objects (`.array_record`), read by index;
+- `tfds`: a TFDS text dataset prepared as array_record,
+  `tfds:<name>[/<config>][@<data_dir>]:<split>`, its feature `field`, read by index.
 
 Files are read as a stream (one line or one row group in memory at a time), never
 whole. Each record's text is tokenized, bracketed by the tokenizer's BOS/EOS where
@@ -39,11 +42,14 @@ import numpy as np
 
 #: Formats by file ending, longest first.
 ENDINGS = ((".jsonl.gz", "jsonl"), (".json.gz", "jsonl"), (".jsonl", "jsonl"),
-           (".json", "jsonl"), (".parquet", "parquet"))
-FORMATS = ("jsonl", "parquet")
+           (".json", "jsonl"), (".parquet", "parquet"), (".array_record", "array_record"))
+FORMATS = ("jsonl", "parquet", "array_record", "tfds")
+#: A TFDS text dataset as a source: `tfds:<name>[/<config>][@<data_dir>]:<split>`, prepared as
+#: array_record (random access, no TensorFlow at read time).
+TFDS_PREFIX = "tfds:"
 #: What a directory source reads (`.json` files only when named: a model directory's
 #: `config.json` and `tokenizer.json` are no corpus).
-DIRECTORY_ENDINGS = (".jsonl", ".jsonl.gz", ".parquet")
+DIRECTORY_ENDINGS = (".jsonl", ".jsonl.gz", ".parquet", ".array_record")
 BAD_RECORDS = ("stop", "skip")
 #: The kinds of bad record, as counted under `bad_records="skip"`.
 BAD_KINDS = ("malformed", "missing_field", "not_utf8", "empty", "schema", "missing_chat")
@@ -65,6 +71,8 @@ class TextSource:
 
 
 def format_of(path: str) -> str | None:
+  if path.startswith(TFDS_PREFIX):
+    return "tfds"
   for ending, fmt in ENDINGS:
     if path.endswith(ending):
       return fmt
@@ -83,6 +91,10 @@ def resolve(spec: str, *, field: str, weight: float, where: str) -> TextSource:
     raise CorpusError(f"{where}={spec!r} must name files: paths or globs, comma-separated.")
   files = []
   for pattern in (p.strip() for p in spec.split(",") if p.strip()):
+    if pattern.startswith(TFDS_PREFIX):
+      check_tfds(pattern, where)
+      files.append(pattern)
+      continue
     pattern = os.path.expanduser(pattern)
     found = sorted(glob.glob(pattern, recursive=True)) if glob.has_magic(pattern) else (
         [pattern] if os.path.isfile(pattern) else [])
@@ -243,9 +255,11 @@ class ShardIterator(grain.DatasetIterator):
 
   def _open(self):
     path = self._files(self._epoch)[self._file]
+    field = None if self.chat is not None else self.source.field  # None: the whole record.
     if format_of(path) == "jsonl":
-      field = None if self.chat is not None else self.source.field  # None: the whole record.
       self._reader = _JsonLines(path, field, self._pos, self._record)
+    elif format_of(path) in ("array_record", "tfds"):
+      self._reader = _IndexedRecords(path, field, self._record)
     elif self.chat is not None:
       raise CorpusError(f"{path}: instruction records (config.data.chat=True) are read from "
                         f"JSONL files; this is Parquet.")
@@ -322,7 +336,7 @@ class ShardIterator(grain.DatasetIterator):
 
   def _bad(self, kind: str, record: int) -> None:
     path = self._files(self._epoch)[self._file]
-    unit = "line" if format_of(path) == "jsonl" else "row"
+    unit = {"jsonl": "line", "parquet": "row"}.get(format_of(path), "record")
     what = {"malformed": "is not a JSON object", "missing_field":
             f"has no text field {self.source.field!r}", "not_utf8": "is not UTF-8 text",
             "empty": "is an empty document (fewer than 2 tokens)",
@@ -444,6 +458,86 @@ class _ParquetRows:
   def advance(self) -> None:
     self.record += 1
     self.pos = self.record
+
+
+class _IndexedRecords:
+  """A random-access source (an ArrayRecord file of JSON objects, or a prepared TFDS split)
+  from record `record`: a shard's next record is found by arithmetic, not by reading."""
+
+  def __init__(self, path: str, field: str | None, record: int):
+    self.path, self.field = path, field
+    if path.startswith(TFDS_PREFIX):
+      self._source, self._tfds = tfds_source(path), True
+    else:
+      self._source, self._tfds = grain.sources.ArrayRecordDataSource([path]), False
+    self._len = len(self._source)
+    self.record = self.pos = record
+
+  def next_for(self, shard: int, shards: int):
+    self.record += (shard - self.record) % shards  # This shard's next record.
+    self.pos = self.record
+    if self.record >= self._len:
+      return None
+    value = self._source[self.record]
+    return self.record, self.record, (self._from_tfds(value) if self._tfds
+                                      else _JsonLines._parse(value, self.field))
+
+  def _from_tfds(self, example):
+    if self.field is None:  # Instruction data: the features, text decoded.
+      return {k: _text(v) for k, v in example.items()}
+    if self.field not in example:
+      return BadRecord("missing_field")
+    value = _text(example[self.field])
+    return value if isinstance(value, str) else BadRecord("not_utf8")
+
+  def advance(self) -> None:
+    self.record += 1
+    self.pos = self.record
+
+
+def _text(value):
+  if isinstance(value, (bytes, np.bytes_)):
+    try:
+      return bytes(value).decode("utf-8")
+    except UnicodeDecodeError:
+      return None
+  return value
+
+
+def _parse_tfds(spec: str) -> tuple[str, str, str | None]:
+  """`tfds:<name>[/<config>][@<data_dir>]:<split>` -> (name, split, data_dir)."""
+  body = spec[len(TFDS_PREFIX):]
+  name, _, split = body.rpartition(":")
+  name, _, data_dir = name.partition("@")
+  return name, split, data_dir or None
+
+
+def tfds_source(spec: str):
+  """The split's random-access source. Never prepares anything: a dataset that is not
+  prepared as array_record is refused."""
+  from trainer.data.datasets import _tfds
+  name, split, data_dir = _parse_tfds(spec)
+  builder = _tfds().builder(name, data_dir=data_dir)
+  if not builder.is_prepared():
+    raise CorpusError(f"it is not prepared in {builder.data_dir}")
+  if str(builder.info.file_format) != str(_tfds().core.FileFormat.ARRAY_RECORD):
+    raise CorpusError(f"it is prepared as {builder.info.file_format}, not array_record "
+                      f"(random access)")
+  return builder.as_data_source(split=split)
+
+
+def check_tfds(spec: str, where: str) -> None:
+  """A TFDS source must name a split of a dataset prepared as array_record."""
+  name, split, data_dir = _parse_tfds(spec)
+  if not name or not split:
+    raise CorpusError(f"{where}: {spec!r} is not tfds:<name>[/<config>][@<data_dir>]:<split>.")
+  try:
+    tfds_source(spec)
+  except Exception as e:
+    raise CorpusError(f"{where}: the TFDS source {spec!r} cannot be read ({type(e).__name__}: "
+                      f"{str(e)[:300]}). Prepare it first, as array_record "
+                      f"(tfds.builder({name!r}).download_and_prepare(file_format="
+                      f"'array_record')).") from e
 
 
 def shard_dataset(source: TextSource, tokenizer: Tokenizer, **kwargs) -> grain.IterDataset:
