@@ -19,6 +19,7 @@ from flax import serialization
 from strategies import Strategy
 from strategies.capabilities import restore_member
 from trainer.checkpoint.store import Checkpointer, CheckpointError
+from trainer.data import positions
 
 PyTree = Any
 
@@ -63,9 +64,8 @@ def save_run(checkpointer: Checkpointer, strategy: Strategy, run: RunState) -> N
   process (`trainer.data.lm`'s lanes) is first gathered from every process (each process
   saves at the same step)."""
   data = run.data
-  if isinstance(data, dict) and data.get("of_process"):
-    from trainer.data import lm
-    data = lm.gather_state(data)
+  if positions.is_process_local(data):
+    data = positions.gather_state(data)
   checkpointer.save(run.step, strategy.checkpoint_state(run.state),
                     {**strategy.checkpoint_layout(), "shape": run_shape(strategy)},
                     metrics=run.metrics, action_states=run.actions, data_state=data)

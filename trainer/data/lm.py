@@ -44,15 +44,10 @@ import numpy as np
 from trainer.data import corpus as corpus_lib
 from trainer.data import packing
 from trainer.data.corpus import TextSource, Tokenizer
+from trainer.data.positions import LANES_KEY, PROCESS_KEY, STATES_KEY, gather_state, skipped_counts
 from trainer.loop.actions import Action
 
 LAYOUTS = ("packed", "chunked")
-#: The state's keys: the lane count (the state is valid for any process layout that
-#: divides it), and each lane's Grain state by lane; `PROCESS_KEY` marks the states of
-#: one process's lanes only, before `gather_state`.
-LANES_KEY = "corpus_lanes"
-STATES_KEY = "lane_states"
-PROCESS_KEY = "of_process"
 MAX_DEFAULT_LANES = 8
 
 
@@ -206,37 +201,10 @@ def check_state(state: Any, lanes: int) -> None:
                      f"config.data.lanes={state[LANES_KEY]}.")
 
 
-def _walk_skipped(state: Any, totals: dict[str, int]) -> None:
-  if isinstance(state, Mapping):
-    if "skipped" in state and isinstance(state["skipped"], Mapping) and "epoch" in state:
-      for kind, n in state["skipped"].items():
-        totals[kind] = totals.get(kind, 0) + int(n)
-      return
-    for value in state.values():
-      _walk_skipped(value, totals)
-  elif isinstance(state, (list, tuple)):
-    for value in state:
-      _walk_skipped(value, totals)
-
-
 def skipped_records(state: Any) -> dict[str, int]:
-  """Bad records skipped, by kind, summed over the lanes and sources of a corpus state."""
-  totals = dict.fromkeys(corpus_lib.BAD_KINDS, 0)
-  _walk_skipped(state, totals)
-  return totals
-
-
-def gather_state(state: Any) -> Any:
-  """A corpus state of one process's lanes made every process's (a collective: all
-  processes call it at the same save); any other state as it is."""
-  if not isinstance(state, Mapping) or not state.get(PROCESS_KEY):
-    return state
-  from trainer.distributed import agree
-  merged: dict[str, Any] = {}
-  for states in agree.every_process_json(state[STATES_KEY]):
-    merged.update(states)
-  return {LANES_KEY: state[LANES_KEY], STATES_KEY: dict(sorted(merged.items(), key=lambda kv:
-                                                                   int(kv[0])))}
+  """Bad records skipped, by kind (every kind of `corpus.BAD_KINDS`), summed over the lanes
+  and sources of a corpus state."""
+  return {**dict.fromkeys(corpus_lib.BAD_KINDS, 0), **skipped_counts(state)}
 
 
 class CorpusMetrics(Action):
