@@ -108,7 +108,8 @@ MADE_BY = {
                          "--config.data.manual_dir=../shared/data/mnist"),
 }
 
-#: What a script's standard output shows when it did its job.
+#: What a script's standard output shows when it did its job. Timings and ratios take any
+#: number of integer digits: a loaded machine makes a step 10x slower, not a failure.
 EXPECTED_OUTPUT = {
     "examples/my_trainer.py": r"^\w+: loss=\d+\.\d{4}$",
     "examples/write_corpus.py": r"^wrote \d+ train documents in 4 shards, \d+ held out",
@@ -116,10 +117,10 @@ EXPECTED_OUTPUT = {
     "examples/transformer_lm.py": r"(^|\s)loss=\d+\.\d{4}",
     "benchmarks/strategy_step_time.py": r"pmap_ensemble\s+8\s+\d",
     "benchmarks/ensemble_step_time.py": r"sharded_ensemble 4 on 1 \(map\)\s+\d",
-    "benchmarks/loop_overhead.py": r"sharded_ensemble\s+\d\.\d{4}\s+\d\.\d{4}\s+\d\.\d{3}x",
-    "benchmarks/batch_axis_overhead.py": r"pmap_ensemble\s+\d\.\d{4}\s+\d\.\d{4}\s+\d\.\d{3}x",
-    "benchmarks/recipe_cost.py": r"Transformer LM .* bf16\s+\d\.\d{4}\s+\d\.\d{3}x",
-    "benchmarks/multiprocess_step_time.py": r"cnn_dp\s+\d\.\d{4}\s+\d\.\d{4}\s+\d\.\d{3}x",
+    "benchmarks/loop_overhead.py": r"sharded_ensemble\s+\d+\.\d{4}\s+\d+\.\d{4}\s+\d+\.\d{3}x",
+    "benchmarks/batch_axis_overhead.py": r"pmap_ensemble\s+\d+\.\d{4}\s+\d+\.\d{4}\s+\d+\.\d{3}x",
+    "benchmarks/recipe_cost.py": r"Transformer LM .* bf16\s+\d+\.\d{4}\s+\d+\.\d{3}x",
+    "benchmarks/multiprocess_step_time.py": r"cnn_dp\s+\d+\.\d{4}\s+\d+\.\d{4}\s+\d+\.\d{3}x",
     "benchmarks/structure.py": r"^import cycles\s+\S+\s+0$",
     "benchmarks/steps_per_call.py": r"one\s+2\s+\d+\.\d\s+\d+\.\d\s+\d+\.\d\s+\d+\.\d{3}x",
     "benchmarks/sweep_schedulers.py": r"^selection step .* ratio \d+\.\d{2}$",
@@ -127,18 +128,18 @@ EXPECTED_OUTPUT = {
     "benchmarks/lm_mfu.py": (r"^cpu\s+float32\s+\d+\.\dM\s+\d+\.\d\s+\d+\.\d{4}\s+\d+\s+"
                              r"\d+\.\d{3}\s+\S+\s+\d+\.\d%"),
     "trainer.plan": r"^  (fits|does NOT fit): peak [\d,.]+ MiB of",
-    "benchmarks/remat.py": r"^blocks/nothing\s+\d+\.\d\s+\d\.\d{2}x\s+\d+\.\d{4}\s+\d+\.\d{3}x",
+    "benchmarks/remat.py": r"^blocks/nothing\s+\d+\.\d\s+\d+\.\d{2}x\s+\d+\.\d{4}\s+\d+\.\d{3}x",
     "benchmarks/pipeline.py": r"^gpipe_m4\s+\d+\.\d{4}\s+\d+\.\d{2}x\s+42\.9%\s+\d",
     "examples/finetune_lm.py": r"^validation loss: before=\d+\.\d{4} after=\d+\.\d{4}",
     "trainer.export": r"^wrote \d+ tensors to \S+model\.safetensors",
     "benchmarks/hf_load.py": r"^fsdp \(8 devices\)\s+\d+\.\d\s+\d+\.\d{3}\s+\d+\.\d{2}",
     "benchmarks/first_step.py": r"^imports\s+\d+\.\d\s+\d+\.\d\s+\d+\.\d{2}$",
-    "benchmarks/long_context.py": r"^\s+64 context=2 ring\s+\d+\.\d\s+\d\.\d{3}x\s+\d+\.\d{2}",
+    "benchmarks/long_context.py": r"^\s+64 context=2 ring\s+\d+\.\d\s+\d+\.\d{3}x\s+\d+\.\d{2}",
     "benchmarks/study.py": r"^program / optimize: wall \d+\.\d{2}x, model-steps \d+\.\d{2}x",
     "benchmarks/moe.py": (r"^\s+8 einsum capacity 1\.25\s+\d+\.\d\s+\d+\.\d{2}x\s+\d+\.\d{4}\s+"
                           r"\d+\.\d{2}x"),
     "benchmarks/gpu.py": r"^2 of 2 stages ok; results in \S+gpu_results\.md$",
-    "benchmarks/corpus.py": r"^  step\s+20\s+read\s+\d+\.\d{2} s\s+resume\s+\d\.\d{4} s",
+    "benchmarks/corpus.py": r"^  step\s+20\s+read\s+\d+\.\d{2} s\s+resume\s+\d+\.\d{4} s",
 }
 
 
