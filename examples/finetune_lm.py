@@ -119,6 +119,7 @@ def write_data(text: str, directory: str, chat: bool) -> tuple[str, str]:
 def write_base_model(config, directory: str) -> None:
   """A randomly initialised model of `config.model` in HF format (what a user would download)."""
   import jax
+  import numpy as np
 
   from trainer import LanguageModelTrainer
   from trainer.checkpoint.init_from import variables_by_collection
@@ -126,7 +127,8 @@ def write_base_model(config, directory: str) -> None:
   from trainer.language_model import model_fields
 
   trainer = LanguageModelTrainer(config)
-  init = trainer.steps.init_fn(_batches(config, [0] * (config.seq_len + 1), 0, 1)[0])
+  tokens = np.zeros((config.batch_size, config.seq_len), np.int32)  # Shapes for init.
+  init = trainer.steps.init_fn({"inputs": tokens, "targets": tokens})
   params = jax.jit(lambda rng: init(rng).params)(jax.random.PRNGKey(config.seed))
   values = variables_by_collection(jax.device_get(params), {}, linen=True)["params"]
   hf.export(values, model_fields(**config.model.to_dict()), directory)  # Defaults filled.
@@ -135,21 +137,6 @@ def write_base_model(config, directory: str) -> None:
 def documents(text: str) -> list[str]:
   """The text's paragraphs (split at blank lines), the documents the train batches pack."""
   return [p.strip() for p in text.split("\n\n") if p.strip()]
-
-
-def _batches(config, ids, start: int, count: int, rows=slice(None)):
-  """`count` batches of `config.batch_size` windows of `ids`: batch s draws its windows from
-  (seed, s) alone, so a resumed run sees the same batches."""
-  import numpy as np
-
-  ids = np.asarray(ids, np.int32)
-  out = []
-  for step in range(start, start + count):
-    rng = np.random.default_rng((config.seed, step))
-    starts = rng.integers(0, len(ids) - config.seq_len - 1 + 1, size=config.batch_size)
-    windows = np.stack([ids[s:s + config.seq_len + 1] for s in starts])[rows]
-    out.append({"inputs": windows[:, :-1], "targets": windows[:, 1:]})
-  return out
 
 
 def sample(trainer, state, tokenizer, prompts, config, *, tokens: int, seed: int = 0):

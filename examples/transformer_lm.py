@@ -62,18 +62,20 @@ def train(config, workdir: str) -> None:
   rows = trainer.strategy.process_slice(config.batch_size)  # This process's rows.
   writer = writers.create_writer(workdir, config.writers, config)
   actions = []
+  if config.data.sources or config.data.eval_sources:
+    from trainer.data import lm  # Grain: imported only where text files are read.
   if config.data.sources:  # Text files: tokenized, packed, this process's lanes.
-    from trainer.data import lm
     stream = lm.from_config(config, rows)
     actions.append(lm.CorpusMetrics(writer, every_steps=config.log_every_steps))
   else:
     stream = lambda start: synthetic_token_batches(  # noqa: E731
         config.seed, config.batch_size, config.seq_len, config.model.vocab_size, start, rows)
   # Eval batches are global: each process passes all, the Trainer puts its rows.
-  held_out = list(itertools.islice(synthetic_token_batches(
-      config.seed, config.batch_size, config.seq_len, config.model.vocab_size, 10**6), 4))
   if config.data.eval_sources:
     held_out = lm.eval_batches(config)
+  else:
+    held_out = list(itertools.islice(synthetic_token_batches(
+        config.seed, config.batch_size, config.seq_len, config.model.vocab_size, 10**6), 4))
   try:
     result = trainer.fit(stream, num_steps=config.num_train_steps, checkpointer=checkpointer,
                          writer=writer, eval_batches=lambda: held_out, workdir=workdir,

@@ -37,10 +37,11 @@ def files(tmp_path_factory):
 def make(files, sources=("corpus",), weights=None, *, batch_size=8, lanes=0, rows=slice(None),
          layout="packed", bad_records="stop", epochs=None, add_bos=None):
   root = files["tokenizer"]
-  resolved = [corpus.resolve(str(root / s), field="text", weight=1.0, where=f"sources[{i}]")
-              for i, s in enumerate(sources)]
+  resolved = [corpus.resolve(str(root / s), field="text", weight=w, where=f"sources[{i}]")
+              for i, (s, w) in enumerate(zip(sources, weights or [1.0] * len(sources),
+                                             strict=True))]
   tokenizer = corpus.Tokenizer(str(root), add_bos=add_bos)
-  return lm.Corpus(resolved, weights or [1.0] * len(resolved), tokenizer, length=LENGTH,
+  return lm.Corpus(resolved, tokenizer, length=LENGTH,
                    batch_size=batch_size, rows=rows, lanes=lanes, layout=layout,
                    bad_records=bad_records, seed=3, epochs=epochs)
 
@@ -183,11 +184,11 @@ def test_a_bad_record_stops_the_run_naming_the_file_and_line_or_is_counted(tmp_p
   message = BAD_LINES.get(kind, (None, "line 3 is not UTF-8 text"))[1]
   source = corpus.resolve(str(path), field="text", weight=1.0, where="sources[0]")
   tokenizer = corpus.Tokenizer(str(root))
-  stop = lm.Corpus([source], [1.0], tokenizer, length=LENGTH, batch_size=1)()
+  stop = lm.Corpus([source], tokenizer, length=LENGTH, batch_size=1)()
   with pytest.raises(corpus.CorpusError, match=rf"bad\.jsonl: {message}.*'skip'"):
     for _ in range(10):
       next(stop)
-  skip = lm.Corpus([source], [1.0], tokenizer, length=LENGTH, batch_size=1,
+  skip = lm.Corpus([source], tokenizer, length=LENGTH, batch_size=1,
                    bad_records="skip")()
   for _ in range(10):  # Three passes over the file: the bad line counted each time.
     next(skip)
@@ -372,10 +373,10 @@ def test_array_record_and_tfds_sources_train_every_document_once_a_pass(tmp_path
              corpus.resolve(spec, field="text", weight=1.0, where="s1")]
   assert sources[1].files == (spec,)
   for source, part in zip(sources, (sizes[:15], sizes[15:]), strict=True):
-    c = lm.Corpus([source], [1.0], tokenizer, length=LENGTH, batch_size=4, lanes=2, epochs=1)
+    c = lm.Corpus([source], tokenizer, length=LENGTH, batch_size=4, lanes=2, epochs=1)
     assert dict(target_counts(one_pass(c))) == dict(part)
   # Resumed from a saved position: the same batches.
-  c = lm.Corpus(sources, [0.5, 0.5], tokenizer, length=LENGTH, batch_size=4, lanes=2)
+  c = lm.Corpus(sources, tokenizer, length=LENGTH, batch_size=4, lanes=2)  # Equal weights.
   reference, first = c(), c()
   expected = [next(reference) for _ in range(12)]
   for _ in range(5):

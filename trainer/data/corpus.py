@@ -298,41 +298,32 @@ class ShardIterator(grain.DatasetIterator):
       return
     self._record, self._pos, value = item  # Where this record starts.
     self._reader.advance()
-    if self.chat is not None and not isinstance(value, BadRecord):
-      self._read_chat(value)
-      return
-    kind = value.kind if isinstance(value, BadRecord) else (
-        "missing_field" if not isinstance(value, str) else None)
-    if kind is None:
-      out = pieces(self.tokenizer(value), self.length) if value.strip() else []
-      if out:
-        self._empty_epochs = 0
-        self._pending = out[self._piece:]
-        if not self._pending:
-          self._piece = 0
-        return
-      kind = "empty"
-    self._piece = 0
-    self._bad(kind, self._record)
-
-  def _read_chat(self, record) -> None:
-    from trainer.data.chat import messages_of
-    messages = messages_of(record, **self.chat) if isinstance(record, dict) else None
-    if messages is None:
+    kind, out = self._examples(value)
+    if kind is not None:
       self._piece = 0
-      self._bad("missing_chat", self._record)
-      return
-    ids, weights = self.tokenizer.encode_chat(messages)
-    out = pieces(ids, self.length, weights)
-    out = [p for p in out if p[WEIGHTS].any()] if out else out
-    if not out:
-      self._piece = 0
-      self._bad("empty", self._record)
+      self._bad(kind, self._record)
       return
     self._empty_epochs = 0
     self._pending = out[self._piece:]
-    if not self._pending:
+    if not self._pending:  # Restored past this record's last piece.
       self._piece = 0
+
+  def _examples(self, value) -> tuple[str | None, list]:
+    """`(None, examples)` of a record's value, or `(bad kind, [])`."""
+    if isinstance(value, BadRecord):
+      return value.kind, []
+    if self.chat is not None:  # A conversation: the assistant turns' tokens weighed 1.
+      from trainer.data.chat import messages_of
+      messages = messages_of(value, **self.chat) if isinstance(value, dict) else None
+      if messages is None:
+        return "missing_chat", []
+      ids, weights = self.tokenizer.encode_chat(messages)
+      out = [p for p in pieces(ids, self.length, weights) if p[WEIGHTS].any()]
+    elif not isinstance(value, str):
+      return "missing_field", []
+    else:
+      out = pieces(self.tokenizer(value), self.length) if value.strip() else []
+    return (None, out) if out else ("empty", [])
 
   def _bad(self, kind: str, record: int) -> None:
     path = self._files(self._epoch)[self._file]
@@ -427,11 +418,9 @@ class _ParquetRows:
 
     self.path, self.field = path, field
     self._file = pq.ParquetFile(path)
-    schema = self._file.schema_arrow
-    self.bad_schema = field not in schema.names or str(schema.field(field).type) not in (
-        "string", "large_string")
+    self.bad_schema = not has_text_column(self._file.schema_arrow, field)
     self.record = self.pos = record
-    self._group, self._start, self._column = -1, 0, None
+    self._start, self._column = 0, None
     self._rows = self._file.metadata.num_rows
 
   def _load(self, row: int) -> None:
@@ -439,21 +428,21 @@ class _ParquetRows:
     for g in range(self._file.num_row_groups):
       n = self._file.metadata.row_group(g).num_rows
       if row < start + n:
-        self._group, self._start = g, start
+        self._start = start
         self._column = self._file.read_row_group(g, columns=[self.field]).column(0).to_pylist()
         return
       start += n
 
   def next_for(self, shard: int, shards: int):
-    while self.record < self._rows:
-      if self.record % shards == shard:
-        if self.bad_schema:
-          return self.record, self.record, BadRecord("schema")
-        if not self._start <= self.record < self._start + len(self._column or ()):
-          self._load(self.record)
-        return self.record, self.record, self._column[self.record - self._start]
-      self.advance()
-    return None
+    self.record += (shard - self.record) % shards  # This shard's next row.
+    self.pos = self.record
+    if self.record >= self._rows:
+      return None
+    if self.bad_schema:
+      return self.record, self.record, BadRecord("schema")
+    if not self._start <= self.record < self._start + len(self._column or ()):
+      self._load(self.record)
+    return self.record, self.record, self._column[self.record - self._start]
 
   def advance(self) -> None:
     self.record += 1
@@ -555,6 +544,11 @@ class _ShardDataset(grain.IterDataset):
     return ShardIterator(source, tokenizer, **kwargs)
 
 
+def has_text_column(schema, field: str) -> bool:
+  """Whether a Parquet file's (arrow) schema holds `field` as a string column."""
+  return field in schema.names and str(schema.field(field).type) in ("string", "large_string")
+
+
 def check_schemas(source: TextSource, bad_records: str) -> None:
   """Reads each Parquet file's schema (its footer) before any compute: under
   `bad_records="stop"` a file without the text column as a string is refused here."""
@@ -563,8 +557,7 @@ def check_schemas(source: TextSource, bad_records: str) -> None:
   import pyarrow.parquet as pq
   for path in (f for f in source.files if format_of(f) == "parquet"):
     schema = pq.read_schema(path)
-    if source.field not in schema.names or str(schema.field(source.field).type) not in (
-        "string", "large_string"):
+    if not has_text_column(schema, source.field):
       columns = dict(zip(schema.names, map(str, schema.types), strict=True))
       raise CorpusError(f"{path}: no string column {source.field!r} (its columns: {columns}); "
                         f"every file of a source holds its text field. "

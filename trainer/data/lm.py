@@ -52,18 +52,25 @@ MAX_DEFAULT_LANES = 8
 
 
 def lanes_for(batch_size: int, lanes: int) -> int:
-  """`lanes`, or for 0 the largest divisor of `batch_size` up to `MAX_DEFAULT_LANES`."""
-  if lanes:
-    return lanes
-  return max(d for d in range(1, MAX_DEFAULT_LANES + 1) if batch_size % d == 0)
+  """`lanes`, or for 0 the largest divisor of `batch_size` up to `MAX_DEFAULT_LANES`.
+
+  Raises:
+    ValueError: `lanes` does not divide `batch_size` (each lane gives `batch_size / lanes`
+      rows of a batch).
+  """
+  if not lanes:
+    return max(d for d in range(1, MAX_DEFAULT_LANES + 1) if batch_size % d == 0)
+  if batch_size % lanes:
+    raise ValueError(f"config.data.lanes={lanes} does not divide config.batch_size="
+                     f"{batch_size}; each lane gives batch_size / lanes rows of a batch.")
+  return lanes
 
 
 class Corpus:
   """The train batches `config.data` describes: `corpus(start_step)` is what `fit` takes.
 
   Args:
-    sources: the resolved sources (`from_config`).
-    weights: one per source.
+    sources: the resolved sources (`from_config`), each with its weight.
     tokenizer: `trainer.data.corpus.Tokenizer`.
     length: tokens per row (`config.seq_len`).
     batch_size: rows per global batch.
@@ -71,20 +78,17 @@ class Corpus:
     lanes, layout, bad_records, shuffle_files, seed: see the module docstring.
   """
 
-  def __init__(self, sources: Sequence[TextSource], weights: Sequence[float],
-               tokenizer: Tokenizer, *, length: int, batch_size: int,
+  def __init__(self, sources: Sequence[TextSource], tokenizer: Tokenizer, *, length: int,
+               batch_size: int,
                rows: slice = slice(None), lanes: int = 0, layout: str = "packed",
                bad_records: str = "stop", shuffle_files: bool = True, seed: int = 0,
                epochs: int | None = None, chat: dict | None = None):
     self.epochs = epochs  # None: endless (training); 1: one pass (held-out data).
     self.chat = chat  # Instruction records (`chat.messages_of`'s field names), or None.
-    self.sources, self.weights, self.tokenizer = tuple(sources), tuple(weights), tokenizer
+    self.sources, self.tokenizer = tuple(sources), tokenizer
     self.length, self.batch_size, self.layout = length, batch_size, layout
     self.bad_records, self.shuffle_files, self.seed = bad_records, shuffle_files, seed
     self.lanes = lanes_for(batch_size, lanes)
-    if batch_size % self.lanes:
-      raise ValueError(f"config.data.lanes={lanes} does not divide config.batch_size="
-                       f"{batch_size}; each lane gives batch_size / lanes rows of a batch.")
     self.rows_per_lane = batch_size // self.lanes
     start, stop, _ = rows.indices(batch_size)
     if start % self.rows_per_lane or stop % self.rows_per_lane:
@@ -101,7 +105,7 @@ class Corpus:
     """Lane `lane`'s rows, one at a time: each source's packed (or chunked), mixed."""
     per_source = [self._rows(i, source, lane) for i, source in enumerate(self.sources)]
     return per_source[0] if len(per_source) == 1 else grain.IterDataset.mix(
-        per_source, list(self.weights))
+        per_source, [source.weight for source in self.sources])
 
   def lane_dataset(self, lane: int) -> grain.IterDataset:
     """Lane `lane`'s rows, `rows_per_lane` at a time (one block of each global batch)."""
@@ -231,13 +235,14 @@ class CorpusMetrics(Action):
 # -- From the config -------------------------------------------------------------------------
 
 
-def check_config(config: ml_collections.ConfigDict) -> None:
+def check_config(config: ml_collections.ConfigDict) -> list[TextSource]:
   """Raises for the first `config.data` field a corpus run cannot take (before any compute):
   a file that does not exist, a glob that matches none, weights that do not match the
-  sources, a layout or policy not among those accepted."""
+  sources, a layout or policy not among those accepted. Returns the resolved sources
+  ([] without sources)."""
   data = config.data
   if not data.sources:
-    return
+    return []
   if isinstance(data.sources, str):
     raise ValueError(f"config.data.sources={data.sources!r} must be a tuple of sources "
                      f"(one string each), e.g. ({data.sources!r},).")
@@ -253,13 +258,12 @@ def check_config(config: ml_collections.ConfigDict) -> None:
   if not isinstance(data.lanes, int) or data.lanes < 0:
     raise ValueError(f"config.data.lanes={data.lanes!r} must be an integer >= 0 (0: "
                      f"automatic).")
-  lanes = lanes_for(config.batch_size, data.lanes)
-  if config.batch_size % lanes:
-    raise ValueError(f"config.data.lanes={data.lanes} does not divide config.batch_size="
-                     f"{config.batch_size}.")
-  for source in resolve_sources(config):
+  lanes_for(config.batch_size, data.lanes)
+  sources = resolve_sources(config)
+  for source in sources:
     corpus_lib.check_schemas(source, data.bad_records)
   tokenizer_path(config)
+  return sources
 
 
 def resolve_sources(config) -> list[TextSource]:
@@ -278,14 +282,12 @@ def tokenizer_path(config) -> str:
   return path
 
 
-def from_config(config, rows: slice = slice(None)) -> Corpus:
+def from_config(config, rows: slice = slice(None), epochs: int | None = None) -> Corpus:
   """The `Corpus` of `config.data` for this process's `rows`
-  (`trainer.strategy.process_slice(config.batch_size)`)."""
-  check_config(config)
+  (`trainer.strategy.process_slice(config.batch_size)`), endless or `epochs` passes."""
+  sources = check_config(config)
   data = config.data
-  sources = resolve_sources(config)
-  tokenizer = Tokenizer(tokenizer_path(config), add_bos=data.add_bos,
-                                   add_eos=data.add_eos)
+  tokenizer = Tokenizer(tokenizer_path(config), add_bos=data.add_bos, add_eos=data.add_eos)
   if "model" in config and tokenizer.vocab_size > config.model.vocab_size:
     raise ValueError(f"the tokenizer {tokenizer.path} has {tokenizer.vocab_size} tokens but "
                      f"config.model.vocab_size={config.model.vocab_size}.")
@@ -294,10 +296,10 @@ def from_config(config, rows: slice = slice(None)) -> Corpus:
     tokenizer.chat_template()  # Refused here if the model directory has none.
     chat = dict(messages_field=data.messages_field, prompt_field=data.prompt_field,
                 response_field=data.response_field)
-  return Corpus(sources, [s.weight for s in sources], tokenizer, length=config.seq_len,
-                batch_size=config.batch_size, rows=rows, lanes=data.lanes,
-                layout=data.layout, bad_records=data.bad_records,
-                shuffle_files=data.shuffle_files, seed=config.seed, chat=chat)
+  return Corpus(sources, tokenizer, length=config.seq_len, batch_size=config.batch_size,
+                rows=rows, lanes=data.lanes, layout=data.layout,
+                bad_records=data.bad_records, shuffle_files=data.shuffle_files,
+                seed=config.seed, epochs=epochs, chat=chat)
 
 
 def eval_batches(config) -> list[dict[str, np.ndarray]]:
@@ -312,9 +314,7 @@ def eval_batches(config) -> list[dict[str, np.ndarray]]:
     held_out.data.update(sources=tuple(data.eval_sources), weights=(), lanes=1,
                          shuffle_files=False)
     held_out.batch_size = config.eval_batch_size
-  corpus = from_config(held_out)
-  corpus.epochs = 1
-  iterator = corpus()
+  iterator = from_config(held_out, epochs=1)()
   batches = []
   for _ in range(data.eval_batches):
     try:

@@ -46,7 +46,7 @@ def skipped_counts(state: Any) -> dict[str, int]:
 def gather_state(state: Any) -> Any:
   """A corpus state of one process's lanes made every process's (a collective: all
   processes call it at the same save); any other state as it is."""
-  if not isinstance(state, Mapping) or not state.get(PROCESS_KEY):
+  if not is_process_local(state):
     return state
   from trainer.distributed import agree
   merged: dict[str, Any] = {}
