@@ -70,7 +70,7 @@ nitpick_ignore_regex = [
     (r"py:.*", r"(jax|jaxlib|jnp|np|numpy|flax|nn|nnx|optax|ml_collections|clu|clu_metrics|"
                r"metric_writers|orbax|ocp|tf|tfds|tensorflow_datasets|grain|etils|epath|"
                r"collections|typing|abc|types|os|inspect|dataclasses|contextlib|threading|"
-               r"signal|argparse|pathlib|subprocess|enum|optuna)(\..*)?"),
+               r"signal|argparse|pathlib|subprocess|enum|optuna|lm_eval)(\..*)?"),
     (r"py:.*", r"(Any|Callable|Iterable|Iterator|Mapping|Sequence|PyTree|Batch|Inputs|Rngs|"
                r"StepFn|InitFn|Schedule|Advance|GradFn|LossFn|Flat|Source|Path|TrainData|"
                r"MemberOptimizer|T|Self|PartitionSpec|Mesh|NamedSharding|Sharding|"

@@ -139,39 +139,15 @@ def documents(text: str) -> list[str]:
   return [p.strip() for p in text.split("\n\n") if p.strip()]
 
 
-def sample(trainer, state, tokenizer, prompts, config, *, tokens: int, seed: int = 0):
-  """Continuations of each prompt (token ids), sampled at temperature 0.8."""
-  import jax
-  import jax.numpy as jnp
-  import numpy as np
-
-  canonical = trainer.strategy.to_canonical(state)
-  length = config.seq_len
-
-  @jax.jit
-  def next_logits(params, model_state, window, position):
-    logits, _ = trainer.model_variables.apply(params, model_state, ((window,), {}),
-                                              rngs={"dropout": jax.random.PRNGKey(0)},
-                                              train=False)
-    logits = logits[..., :config.model.vocab_size]  # A vocabulary padded to the mesh: real ids.
-    return jnp.take_along_axis(logits, position[:, None, None], axis=1)[:, 0]
-
-  params = jax.tree.map(jnp.asarray, canonical.params)
-  model_state = jax.tree.map(jnp.asarray, canonical.model_state)
-  rng = np.random.default_rng(seed)
-  texts = []
-  for prompt in prompts:
-    ids = list(prompt[-(length - tokens):])
-    start = len(ids)
-    for _ in range(tokens):
-      window = np.zeros((1, length), np.int32)
-      window[0, :len(ids)] = ids[-length:]
-      logits = np.asarray(next_logits(params, model_state, window,
-                                      np.array([min(len(ids), length) - 1])))[0] / 0.8
-      p = np.exp(logits - logits.max())
-      ids.append(int(rng.choice(len(p), p=p / p.sum())))
-    texts.append((tokenizer.decode(ids[:start]), tokenizer.decode(ids[start:])))
-  return texts
+def sample(trainer, state, tokenizer, prompts, *, tokens: int, seed: int = 0):
+  """Continuations of each prompt (token ids), sampled at temperature 0.8: one compiled
+  program with a key/value cache, under the layout the model trained in
+  (`trainer.generation`)."""
+  from trainer.generation import Generator, Sampling
+  out = Generator.from_trainer(trainer)(
+      state, prompts, Sampling(max_new_tokens=tokens, temperature=0.8), seed=seed)
+  return [(tokenizer.decode(prompt), tokenizer.decode(new))
+          for prompt, new in zip(prompts, out.tokens, strict=True)]
 
 
 def main(argv):
@@ -249,7 +225,7 @@ def finetune(config, workdir: str) -> None:
   first = held_out[0]  # Each row's first document, its first half as a prompt.
   prompts = [row[(segments == 1)][:config.seq_len // 2].tolist()
              for row, segments in zip(first["inputs"], first["segment_ids"], strict=True)]
-  samples = sample(trainer, result.state, tokenizer, prompts[:FLAGS.samples], config,
+  samples = sample(trainer, result.state, tokenizer, prompts[:FLAGS.samples],
                    tokens=min(FLAGS.sample_tokens, config.seq_len // 2))
   if not is_primary():
     return

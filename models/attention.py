@@ -45,7 +45,7 @@ from jax.sharding import PartitionSpec
 from strategies import context as context_lib
 from strategies.context import ContextError
 
-__all__ = ["attention", "sequence_positions", "ContextError"]
+__all__ = ["attention", "cached_attention", "sequence_positions", "ContextError"]
 
 
 def _order(length: int) -> np.ndarray:
@@ -203,6 +203,44 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
         f"{plan.axis!r} axis.")
   plan.check_length(length)
   return _context_parallel(plan, block, q, k, v, segment_ids, dropout)
+
+
+def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, *,
+                     window: int | None = None, scale: float | None = None) -> jax.Array:
+  """Causal attention of new tokens over a key/value cache (`models.kv_cache`).
+
+  Args:
+    q: `[batch, T, heads, head_dim]`, the new tokens' queries.
+    k, v: `[batch, slots, kv_heads, head_dim]`, the cache: slot `s` holds the token at
+      position `s` of its row.
+    positions: `[batch, T]` ints, each new token's position; it attends to the slots at or
+      before it (and, with `window`, after `position - window`).
+
+  Raises:
+    ContextError: under a `context` mesh axis (a cache holds whole sequences).
+  """
+  plan = context_lib.current()
+  if plan is not None:
+    raise ContextError(
+        f"decoding with a key/value cache under the {plan.axis!r} mesh axis "
+        f"({plan.axis}={plan.size}): the cache holds each sequence whole on a device. Decode "
+        f"under a layout without a {plan.axis!r} axis.")
+  b, lq, heads, d = q.shape
+  kv = k.shape[2]
+  if heads % kv:
+    raise ValueError(f"attention: {heads} query heads are not a multiple of {kv} "
+                     f"key/value heads.")
+  g = heads // kv
+  slots = jnp.arange(k.shape[1], dtype=jnp.int32)
+  distance = positions[:, :, None] - slots[None, None, :]
+  allowed = distance >= 0
+  if window is not None:
+    allowed = allowed & (distance < window)
+  block = _Block(causal=False, window=None, scale=scale or 1.0 / math.sqrt(d), rate=0.0,
+                 seed=None, total_heads=heads, length=k.shape[1])
+  carry = block.update(_start(b, kv, g, lq, d), q.reshape(b, lq, kv, g, d), k, v, allowed,
+                       None, None)
+  return _finish(carry, q.dtype)
 
 
 def _plain(block, q, k, v, segment_ids, mask, dropout):

@@ -22,6 +22,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from models import kv_cache
 from models.attention import attention, check_length, sequence_positions
 from models.layer_stack import LayerStack
 from models.vocab import mask_padding, padded_size
@@ -96,8 +97,11 @@ class _Attention(nn.Module):
     dropout_rng = None
     if self.dropout_rate > 0 and not self.deterministic:
       dropout_rng = self.make_rng("dropout")
-    attended = attention(q, k, v, segment_ids=segment_ids, dropout_rng=dropout_rng,
-                         dropout_rate=self.dropout_rate, deterministic=self.deterministic)
+    if kv_cache.current() is not None:  # Decoding: the new tokens over the cache.
+      attended = kv_cache.attend(self, q, k, v)
+    else:
+      attended = attention(q, k, v, segment_ids=segment_ids, dropout_rng=dropout_rng,
+                           dropout_rate=self.dropout_rate, deterministic=self.deterministic)
     attended = nn.with_logical_constraint(attended, ("batch", "length", "heads", "kv"))
     out = _Projection(heads, (embed,), ("heads", "kv", "embed"), name="c_proj")(attended)
     return nn.Dropout(self.dropout_rate, deterministic=self.deterministic)(out)

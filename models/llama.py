@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from models import kv_cache
 from models.attention import attention, check_length, sequence_positions
 from models.layer_stack import NnxLayerStack
 from models.moe import MoeFeedForward, MoeOutput, RouterStats
@@ -141,7 +142,11 @@ class LlamaBlock(nnx.Module):
     q = nn.with_logical_constraint(q, ("batch", "length", "heads", "kv"))
     k, v = (nn.with_logical_constraint(t, ("batch", "length", "kv_heads", "kv")) for t in (k, v))
     # Query head h reads key/value head h // (num_heads // num_kv_heads), as HF's repeat_kv.
-    attended = attention(q, k, v, segment_ids=segment_ids, window=self.sliding_window)
+    cache = getattr(self, "cache", None)  # Decoding (`LlamaLM.init_cache`): over the cache.
+    if cache is not None:
+      attended = kv_cache.attend_nnx(cache, q, k, v, window=self.sliding_window)
+    else:
+      attended = attention(q, k, v, segment_ids=segment_ids, window=self.sliding_window)
     attended = nn.with_logical_constraint(attended, ("batch", "length", "heads", "kv"))
     x = nn.with_logical_constraint(x + attn["o_proj"](attended), ("batch", "length", "embed"))
     y = self.post_attention_layernorm(x)
@@ -205,6 +210,16 @@ class LlamaLM(nnx.Module):
     self.lm_head = None if tie_word_embeddings else nnx.Linear(
         embed_dim, rows, use_bias=False, kernel_init=_with(("embed", "vocab")),
         rngs=rngs)
+
+  def init_cache(self, batch: int, length: int, dtype=jnp.float32) -> None:
+    """Gives every layer a key/value cache of `length` slots for `batch` rows
+    (`models.kv_cache`): from then on a call decodes, each row's new tokens attending to
+    the ones before them, and its `positions` should be the rows' cache indices onward."""
+    layers = self.blocks.layers
+    num_layers, _, kv_heads, head_dim = layers.self_attn["k_proj"].kernel.shape
+    layers.cache = nnx.Dict(**kv_cache.cache_variables(
+        batch, length, kv_heads, head_dim, dtype=dtype, leading=(num_layers,),
+        leading_names=("layer",)))
 
   def __call__(self, tokens: jax.Array, segment_ids: jax.Array | None = None,
                positions: jax.Array | None = None) -> jax.Array | MoeOutput:

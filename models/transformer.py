@@ -12,6 +12,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from models import kv_cache
 from models.attention import attention, check_length, sequence_positions
 from models.layer_stack import LayerStack
 from models.moe import MoeMlp, MoeOutput, RouterStats
@@ -55,7 +56,10 @@ class DecoderBlock(nn.Module):
                for name in ("query", "key", "value"))
     q, k, v = (nn.with_logical_constraint(t, ("batch", "length", "heads", "kv"))
                for t in (q, k, v))
-    attended = attention(q, k, v, segment_ids=segment_ids)
+    if kv_cache.current() is not None:  # Decoding: the new tokens over the cache.
+      attended = kv_cache.attend(self, q, k, v)
+    else:
+      attended = attention(q, k, v, segment_ids=segment_ids)
     attended = nn.with_logical_constraint(attended, ("batch", "length", "heads", "kv"))
     out = jnp.einsum("blhd,hde->ble", attended,
                      projection("out", (*heads, embed), ("heads", "kv", "embed")))

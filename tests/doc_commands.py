@@ -57,6 +57,9 @@ FEW_STEPS = {
     "benchmarks/multiprocess_step_time.py": ["--steps", "1", "--warmup", "1", "--rounds", "1",
                                              "--batch", "16", "--workloads", "cnn_dp"],
     "benchmarks/structure.py": [],  # Reads source files only: seconds as written.
+    "trainer.generate": [],  # A few tokens from the fine-tune's checkpoint: seconds.
+    "benchmarks/generation.py": ["--new", "4", "--batch", "2", "--prompt", "8", "--layers", "1",
+                                 "--embed", "64", "--vocab", "64", "--repeats", "1"],
     "benchmarks/steps_per_call.py": ["--ks", "1,2", "--models", "one", "--steps", "2",
                                      "--repeats", "1", "--batch", "16"],
     # Halving alone, trials of 2 steps on 512 images (the data the first command prepared).
@@ -132,6 +135,9 @@ EXPECTED_OUTPUT = {
     "benchmarks/pipeline.py": r"^gpipe_m4\s+\d+\.\d{4}\s+\d+\.\d{2}x\s+42\.9%\s+\d",
     "examples/finetune_lm.py": r"^validation loss: before=\d+\.\d{4} after=\d+\.\d{4}",
     "trainer.export": r"^wrote \d+ tensors to \S+model\.safetensors",
+    "trainer.generate": r"^\[0\] 'The tests make'\n  -> ['\"].*['\"]$",
+    "benchmarks/generation.py": (r"^\s+4 cached\s+\d+\.\d{4}\s+\d+\.\d\s+\d+\.\d{2}x\s+"
+                                 r"\d+\.\d{2}\s+\d+\.\d{2}$"),
     "benchmarks/hf_load.py": r"^fsdp \(8 devices\)\s+\d+\.\d\s+\d+\.\d{3}\s+\d+\.\d{2}",
     "benchmarks/first_step.py": r"^imports\s+\d+\.\d\s+\d+\.\d\s+\d+\.\d{2}$",
     "benchmarks/long_context.py": r"^\s+64 context=2 ring\s+\d+\.\d\s+\d+\.\d{3}x\s+\d+\.\d{2}",

@@ -114,6 +114,16 @@ class ModelVariables(abc.ABC):
         shard of the batch set it, so statistics are never silently per replica.
     """
 
+  @abc.abstractmethod
+  def decode(self, params: PyTree, model_state: PyTree, cache: PyTree | None, inputs: Inputs,
+             *, rngs: Rngs, length: int) -> tuple[Any, PyTree]:
+    """`(outputs, cache)` of an eval-mode call that decodes with a key/value cache of
+    `length` slots (`models.kv_cache`): `cache` None makes a new one (every row's index 0).
+
+    Raises:
+      TypeError: a model whose attention keeps no cache.
+    """
+
   @property
   @abc.abstractmethod
   def module(self) -> Any:
@@ -236,12 +246,31 @@ class LinenVariables(ModelVariables):
     params = variables.pop("params", {})
     return params, {k: v for k, v in variables.items() if k not in _NOT_STATE}
 
-  def apply(self, params, model_state, inputs, *, rngs, train, require_batch_axis=False):
+  def _for_call(self, params, inputs, train):
+    """The module in its mode, its call's arguments and the parameters it takes."""
     module, args, kwargs = self._in_mode(inputs, train)
     if self._lora is not None and self._lora.fold:  # Qwix made them; the weights take them.
       from trainer.step.lora import merge_adapters
       module = _with_mode_fields(self._module, train)
       params = merge_adapters(nn.meta.unbox(params), self._lora)
+    return module, args, kwargs, params
+
+  def decode(self, params, model_state, cache, inputs, *, rngs, length):
+    from models import kv_cache
+    module, args, kwargs, params = self._for_call(params, inputs, train=False)
+    variables = {"params": params, **model_state, **({"cache": cache} if cache else {})}
+    with kv_cache.decoding(length):
+      outputs, updated = module.apply(variables, *args, rngs=dict(rngs), mutable=["cache"],
+                                      **kwargs)
+    if not updated.get("cache"):
+      raise TypeError(
+          f"{type(self._module).__name__} kept no key/value cache: decoding needs its "
+          f"attention to call models.kv_cache.attend under kv_cache.decoding() (as "
+          f"models.transformer and models.gpt2 do).")
+    return outputs, updated["cache"]
+
+  def apply(self, params, model_state, inputs, *, rngs, train, require_batch_axis=False):
+    module, args, kwargs, params = self._for_call(params, inputs, train)
     variables = {"params": params, **model_state}
     mutable = list(model_state) if train and model_state else False
     with contextlib.ExitStack() as stack:
@@ -395,7 +424,26 @@ class NnxVariables(ModelVariables):
                                  dict(rngs)["params"])
     return params, model_state
 
-  def apply(self, params, model_state, inputs, *, rngs, train, require_batch_axis=False):
+  def decode(self, params, model_state, cache, inputs, *, rngs, length):
+    model = self._with_values(params, model_state, rngs, train=False)
+    init_cache = getattr(model, "init_cache", None)
+    if init_cache is None:
+      raise TypeError(
+          f"{type(model).__name__} has no init_cache(batch, length, dtype): decoding an NNX "
+          f"model needs the method that gives its attention layers a key/value cache "
+          f"(models.kv_cache.cache_variables; models.llama.LlamaLM.init_cache).")
+    args, kwargs = inputs
+    with nnx.use_eager_sharding(False):  # The program's layout comes from the annotations.
+      init_cache(jax.tree.leaves(args)[0].shape[0], length)
+    if cache is not None:
+      made = nnx.state(model, nnx.Cache)
+      nnx.replace_by_pure_dict(made, cache)
+      nnx.update(model, made)
+    outputs = model(*args, **kwargs)
+    return outputs, nnx.to_pure_dict(nnx.state(model, nnx.Cache))
+
+  def _with_values(self, params, model_state, rngs, *, train: bool) -> nnx.Module:
+    """The module built from `rngs` with `params` and `model_state` in it, in its mode."""
     model = self._build(rngs)
     values = nnx.state(model, nnx.Param)
     params = nn.meta.unbox(params)
@@ -406,8 +454,11 @@ class NnxVariables(ModelVariables):
     rest = nnx.state(model, _NNX_MODEL_STATE)
     nnx.replace_by_pure_dict(rest, model_state)
     nnx.update(model, values, rest)
-    model = nnx.view(model, deterministic=not train, use_running_average=not train,
-                     raise_if_not_found=False)
+    return nnx.view(model, deterministic=not train, use_running_average=not train,
+                    raise_if_not_found=False)
+
+  def apply(self, params, model_state, inputs, *, rngs, train, require_batch_axis=False):
+    model = self._with_values(params, model_state, rngs, train=train)
     if train and require_batch_axis:
       for path, module in nnx.iter_modules(model):
         if isinstance(module, nnx.BatchNorm) and module.axis_name is None:

@@ -1,0 +1,175 @@
+r"""Prints continuations of prompts from a trained run or a Hugging Face model directory.
+
+    python -m trainer.generate --workdir=/tmp/finetune --prompt="Once upon a time" \
+        [--prompt=...] [--prompts_file=prompts.txt] [--max_new_tokens=32] \
+        [--temperature=0.8 --top_k=50 --top_p=0.95 --seed=0] [--step=N] [--member=i]
+
+    python -m trainer.generate --init_from=/path/to/hf_model --prompt="..."
+
+The model, its layout and its tokenizer come from the run's config (`--config`, by
+default `<workdir>/config.json`, as `examples/finetune_lm.py` writes it): the
+checkpoint's parameters are restored under the run's strategy (`--strategy` picks
+another, e.g. `single_device` for a run trained as an ensemble, whose member
+`--member` names), and the prompts tokenized with `config.data.tokenizer` (or
+`--tokenizer`). With `--init_from` the model is the directory's (`config.json` and
+safetensors of a family `trainer.interop.families` maps) on one device, its tokenizer
+the directory's own. Generation stops at the tokenizer's EOS id (`--stop_ids` adds
+others; `--stop_ids=none` none). `--token_ids` takes the prompts as comma-separated
+ids and prints ids (no tokenizer needed).
+
+All prompts run as one batch in one compiled program (`trainer.generation`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+
+from absl import app, flags
+
+FLAGS = flags.FLAGS
+
+
+def _define_flags() -> None:
+  flags.DEFINE_string("workdir", None, "A run's workdir (its checkpoints/ and config.json).")
+  flags.DEFINE_string("init_from", None, "A Hugging Face model directory, instead of a run.")
+  flags.DEFINE_string("config", None, "The run's config as JSON (default: "
+                      "<workdir>/config.json).")
+  flags.DEFINE_integer("step", -1, "The checkpoint step (-1: the latest).")
+  flags.DEFINE_integer("member", -1, "An ensemble checkpoint's member.")
+  flags.DEFINE_string("strategy", None, "Generate under this strategy instead of the run's "
+                      "(e.g. single_device).")
+  flags.DEFINE_multi_string("prompt", [], "A prompt (repeatable).")
+  flags.DEFINE_string("prompts_file", None, "A file of prompts, one per line.")
+  flags.DEFINE_string("tokenizer", None, "A tokenizer.json or model directory (default: the "
+                      "run's config.data.tokenizer, or --init_from's).")
+  flags.DEFINE_boolean("token_ids", False, "Prompts are comma-separated token ids; print ids.")
+  flags.DEFINE_integer("max_new_tokens", 32, "The most new tokens per prompt.")
+  flags.DEFINE_float("temperature", 0.0, "0: greedy; else the sampling temperature.")
+  flags.DEFINE_integer("top_k", 0, "Sample among the k most likely tokens (0: all).")
+  flags.DEFINE_float("top_p", 1.0, "Nucleus sampling's probability mass, in (0, 1].")
+  flags.DEFINE_integer("seed", 0, "The sampling seed.")
+  flags.DEFINE_string("stop_ids", "", "Comma-separated ids that end a continuation besides "
+                      "the tokenizer's EOS; 'none': not even EOS.")
+  flags.DEFINE_integer("num_cpu_devices", 1, "Host CPU devices to create (a layout trained "
+                       "on several fake CPU devices needs them).")
+
+
+class GenerateError(ValueError):
+  """A request the command cannot serve, named before anything is compiled."""
+
+
+def run_config(workdir: str | None, init_from: str | None, config_path: str | None):
+  """The config the model is built from: the run's, or a one-device config of `init_from`'s
+  model."""
+  import ml_collections
+
+  from trainer.interop import hf
+  if bool(workdir) == bool(init_from):
+    raise GenerateError("give exactly one of --workdir (a run) and --init_from (a Hugging "
+                        "Face model directory).")
+  if init_from:
+    if not hf.is_hf_checkpoint(init_from):
+      raise GenerateError(f"--init_from={init_from!r} is not a Hugging Face model directory "
+                          f"(config.json and *.safetensors).")
+    from configs import lm
+    config = lm.get_config("data_parallel")
+    config.strategy.name = "single_device"
+    config.model = ml_collections.ConfigDict(hf.model_fields(init_from))
+    config.init_from.path = init_from
+    config.batch_size = config.eval_batch_size = 1
+    return config
+  from trainer.export import run_config as read_json
+  try:
+    values = read_json(workdir, config_path)
+  except ValueError as e:
+    raise GenerateError(str(e).replace("the export", "generation")) from None
+  config = ml_collections.ConfigDict(values)
+  config.init_from.update(path=workdir, rules=(), fresh=())
+  return config
+
+
+def read_prompts(prompts: list[str], prompts_file: str | None) -> list[str]:
+  out = list(prompts)
+  if prompts_file:
+    with open(prompts_file) as f:
+      out += [line.rstrip("\n") for line in f if line.strip()]
+  if not out:
+    raise GenerateError("no prompts: pass --prompt (repeatable) or --prompts_file.")
+  return out
+
+
+def generate(config, prompts: list[str], *, step: int = -1, member: int = -1,
+             strategy: str | None = None, tokenizer: str | None = None,
+             token_ids: bool = False, sampling=None, seed: int = 0, stop_ids: str = ""):
+  """`(prompts as the model saw them, continuations)`, texts or id lists (`token_ids`)."""
+  import numpy as np
+
+  from trainer.data.corpus import Tokenizer
+  from trainer.generation import Generator, Sampling
+  from trainer.language_model import LanguageModelTrainer
+
+  sampling = sampling or Sampling()
+  with config.unlocked():
+    config.init_from.update(step=step, member=member)
+    if strategy:
+      config.strategy.name = strategy
+  decode = None
+  stops: tuple[int, ...] = ()
+  if token_ids:
+    try:
+      ids = [[int(t) for t in p.replace(" ", "").split(",") if t] for p in prompts]
+    except ValueError:
+      raise GenerateError(f"--token_ids: prompts must be comma-separated integers; got "
+                          f"{prompts!r}.") from None
+  else:
+    path = tokenizer or config.get("data", {}).get("tokenizer") or config.init_from.path
+    tok = Tokenizer(path, add_eos=False)
+    ids = [tok(p).tolist() for p in prompts]
+    decode = tok.tokenizer.decode
+    stops = () if tok.eos_id is None else (tok.eos_id,)
+  if stop_ids == "none":
+    stops = ()
+  elif stop_ids:
+    stops += tuple(int(t) for t in stop_ids.split(","))
+  sampling = dataclasses.replace(sampling, stop_tokens=tuple(dict.fromkeys(stops)))
+  trainer = LanguageModelTrainer(config)
+  generator = Generator.from_trainer(trainer)
+  generator.check(ids, sampling)  # Before the checkpoint is read.
+  rows = max(config.batch_size, trainer.strategy.batch_multiple)
+  tokens = np.zeros((rows, config.seq_len), np.int32)
+  state = trainer.init_state({"inputs": tokens, "targets": tokens})
+  out = generator(state, ids, sampling, seed=seed)
+  if decode is None:
+    return ids, out.tokens
+  return ([decode(p, skip_special_tokens=False) for p in ids],
+          [decode(t, skip_special_tokens=True) for t in out.tokens])
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+  from trainer.distributed import devices
+  from trainer.generation import Sampling
+  devices.initialize(FLAGS.num_cpu_devices)
+  try:
+    config = run_config(FLAGS.workdir, FLAGS.init_from, FLAGS.config)
+    prompts = read_prompts(FLAGS.prompt, FLAGS.prompts_file)
+    sampling = Sampling(max_new_tokens=FLAGS.max_new_tokens, temperature=FLAGS.temperature,
+                        top_k=FLAGS.top_k, top_p=FLAGS.top_p)
+    shown, continuations = generate(
+        config, prompts, step=FLAGS.step, member=FLAGS.member, strategy=FLAGS.strategy,
+        tokenizer=FLAGS.tokenizer, token_ids=FLAGS.token_ids, sampling=sampling,
+        seed=FLAGS.seed, stop_ids=FLAGS.stop_ids)
+  except (ValueError, OSError) as e:
+    sys.exit(f"trainer.generate: {e}")
+  if devices.is_primary():
+    for i, (prompt, continuation) in enumerate(zip(shown, continuations, strict=True)):
+      print(f"[{i}] {json.dumps(prompt) if FLAGS.token_ids else prompt!r}")
+      print(f"  -> {json.dumps(continuation) if FLAGS.token_ids else continuation!r}")
+
+
+if __name__ == "__main__":
+  _define_flags()
+  app.run(main)

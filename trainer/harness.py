@@ -1,0 +1,376 @@
+r"""lm-evaluation-harness over a trained state: its model interface, a command and an action.
+
+    pip install -e ".[eval]"      # lm-eval and what it pulls in (datasets, evaluate, ...)
+
+    from trainer.harness import HarnessLM, evaluate
+    lm = HarnessLM.from_trainer(trainer, state, tokenizer="/path/tokenizer.json")
+    results = evaluate(lm, ["hellaswag"], include_path="my_tasks/")  # lm_eval's results
+
+    python -m trainer.harness --workdir=/tmp/finetune --tasks=my_task \
+        --include_path=my_tasks/ [--limit=100] [--num_cpu_devices=8]
+
+`HarnessLM` implements lm-evaluation-harness's model interface
+(`lm_eval.api.model.TemplateLM`, so the harness's own context/continuation split
+applies) over a state in the layout it trained in:
+
+- `loglikelihood`: each request's context and continuation as one right-padded row
+  of the model's `max_len` positions (truncated on the left, as the harness's HF
+  model does), scored by one compiled program (`strategy.compile_eval_step`:
+  parameters stay where the strategy placed them): the continuation's summed log
+  probability, and whether each of its tokens is the argmax;
+- `loglikelihood_rolling`: the harness's disjoint rolling windows of `max_len`
+  tokens, each scored as above, summed per document;
+- `generate_until`: `trainer.generation.Generator` (one program, a key/value cache),
+  the text cut at the first `until` string.
+
+`HarnessEval` runs tasks as a training action every `every_steps` and writes each
+task's metrics to the run's writers (`harness/<task>/<metric>`) and, for fixed
+prompts, the generations as text.
+
+Requests run on one process (the harness's `rank` 0 of 1); a multi-process run is
+refused naming `jax.process_count()`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from strategies.tree import to_host
+from trainer.generation import Generator, Sampling
+from trainer.loop.actions import Action
+
+try:
+  from lm_eval.api.model import TemplateLM as _TemplateLM
+except ImportError:  # The optional extra: refused where it is used.
+  _TemplateLM = object
+
+PyTree = Any
+
+
+def _require_lm_eval():
+  try:
+    import lm_eval  # noqa: F401
+  except ImportError:
+    raise ImportError("trainer.harness needs lm-evaluation-harness: pip install -e "
+                      "'.[eval]' (or pip install lm-eval).") from None
+
+
+class Scorer:
+  """Log-likelihoods of token continuations under a state, one compiled program per row
+  count (rows of the model's `max_len` positions)."""
+
+  def __init__(self, trainer, state, *, rows: int = 8):
+    self.trainer, self.state = trainer, state
+    self.max_len = trainer.config.model.max_len
+    self.vocab_size = trainer.config.model.get("vocab_size")
+    multiple = trainer.strategy.batch_multiple
+    self.rows = math.ceil(rows / multiple) * multiple
+    self._program = None
+
+  def _compile(self):
+    mv, vocab = self.trainer.model_variables, self.vocab_size
+
+    def score(state, batch):
+      outputs, _ = mv.apply(state.params, state.model_state, ((batch["inputs"],), {}),
+                            rngs={"params": jax.random.PRNGKey(0),
+                                  "dropout": jax.random.PRNGKey(0)}, train=False)
+      logits = getattr(outputs, "logits", outputs).astype(jnp.float32)
+      if vocab is not None:
+        logits = logits[..., :vocab]
+      log_probs = jax.nn.log_softmax(logits, axis=-1)
+      picked = jnp.take_along_axis(log_probs, batch["targets"][..., None], axis=-1)[..., 0]
+      weights = batch["weights"]
+      greedy = (jnp.argmax(logits, axis=-1) == batch["targets"]) | (weights == 0)
+      return (picked * weights).sum(axis=1), jnp.all(greedy, axis=1)
+
+    return self.trainer.strategy.compile_eval_step(score, self.state)
+
+  def __call__(self, pairs: Sequence[tuple[list[int], list[int]]]) -> list[tuple[float, bool]]:
+    """`(log P(continuation | context), greedy)` for each `(context, continuation)` of ids."""
+    if self._program is None:
+      self._program = self._compile()
+    out: list[tuple[float, bool]] = []
+    for start in range(0, len(pairs), self.rows):
+      chunk = pairs[start:start + self.rows]
+      inputs = np.zeros((self.rows, self.max_len), np.int32)
+      targets = np.zeros_like(inputs)
+      weights = np.zeros((self.rows, self.max_len), np.float32)
+      for i, (context, continuation) in enumerate(chunk):
+        if not continuation:
+          raise ValueError(f"harness request {start + i}: an empty continuation.")
+        whole = (list(context) + list(continuation))[-(self.max_len + 1):]
+        n = len(whole) - 1
+        inputs[i, :n], targets[i, :n] = whole[:-1], whole[1:]
+        weights[i, n - len(continuation[-n:]):n] = 1.0
+      batch = self.trainer.strategy.put_batch(
+          dict(inputs=inputs, targets=targets, weights=weights))
+      sums, greedy = to_host(self._program(self.state, batch))
+      out += [(float(sums[i]), bool(greedy[i])) for i in range(len(chunk))]
+    return out
+
+
+class HarnessLM(_TemplateLM):
+  """lm-evaluation-harness's model interface over a trainer's state (module docstring).
+
+  Args:
+    trainer: the run's `LanguageModelTrainer` (its model, strategy and `config.model`).
+    state: a train state as the trainer holds it.
+    tokenizer: a `trainer.data.corpus.Tokenizer`, or a path to one (a `tokenizer.json`
+      or a model directory).
+    batch_size: rows scored per program call (rounded up to the strategy's multiple).
+  """
+
+  backend = "causal"
+
+  def __init__(self, trainer, state, tokenizer, *, batch_size: int = 8):
+    _require_lm_eval()
+    super().__init__()
+    if jax.process_count() > 1:
+      raise ValueError(f"trainer.harness runs on one process; this run has "
+                       f"jax.process_count()={jax.process_count()}.")
+    from trainer.data.corpus import Tokenizer
+    if isinstance(tokenizer, str):
+      tokenizer = Tokenizer(tokenizer, add_eos=False)
+    self.tok = tokenizer
+    self.trainer, self.state = trainer, state
+    self.scorer = Scorer(trainer, state, rows=batch_size)
+    self.generator = Generator.from_trainer(trainer)
+    self.max_len = trainer.config.model.max_len
+
+  @classmethod
+  def from_trainer(cls, trainer, state, tokenizer=None, **kwargs) -> HarnessLM:
+    """`tokenizer` by default the run's `config.data.tokenizer`, else its
+    `config.init_from.path`'s."""
+    config = trainer.config
+    tokenizer = tokenizer or config.get("data", {}).get("tokenizer") or config.init_from.path
+    return cls(trainer, state, tokenizer, **kwargs)
+
+  @property
+  def eot_token_id(self) -> int:
+    for token in (self.tok.eos_id, self.tok.bos_id):
+      if token is not None:
+        return token
+    return 0
+
+  def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs):
+    ids = self.tok.tokenizer.encode(string, add_special_tokens=False).ids
+    if self.tok.add_bos and add_special_tokens is not False:
+      ids = [self.tok.bos_id, *ids]
+    return ids
+
+  def tok_decode(self, ids) -> str:
+    return self.tok.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+  def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs):
+    return self.scorer([(context, continuation) for _, context, continuation in requests])
+
+  def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+    from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+    pairs, owners = [], []
+    for i, request in enumerate(requests):
+      (string,) = request.args
+      windows = get_rolling_token_windows(self.tok_encode(string, add_special_tokens=False),
+                                          prefix_token=self.eot_token_id,
+                                          max_seq_len=self.max_len, context_len=1)
+      for window in map(make_disjoint_window, windows):
+        pairs.append(window)
+        owners.append(i)
+    totals = [0.0] * len(requests)
+    for owner, (logprob, _) in zip(owners, self.scorer(pairs), strict=True):
+      totals[owner] += logprob
+    return totals
+
+  def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+    out: list[str | None] = [None] * len(requests)
+    groups: dict[tuple, list[int]] = {}
+    for i, request in enumerate(requests):
+      kwargs = dict(request.args[1])
+      until = kwargs.pop("until", None) or [self.tok_decode([self.eot_token_id])]
+      if isinstance(until, str):
+        until = [until]
+      steps = int(kwargs.pop("max_gen_toks", 32))
+      sample = bool(kwargs.pop("do_sample", False))
+      temperature = float(kwargs.pop("temperature", 0.0)) if sample else 0.0
+      key = (tuple(until), steps, temperature, float(kwargs.pop("top_p", 1.0) or 1.0),
+             int(kwargs.pop("top_k", 0) or 0))
+      groups.setdefault(key, []).append(i)
+    for (until, steps, temperature, top_p, top_k), members in groups.items():
+      steps = min(steps, self.max_len - 1)
+      prompts = [self.tok_encode(requests[i].args[0])[-(self.max_len - steps):] or
+                 [self.eot_token_id] for i in members]
+      sampling = Sampling(max_new_tokens=steps, temperature=temperature, top_p=top_p,
+                          top_k=top_k, stop_tokens=(self.eot_token_id,))
+      result = self.generator(self.state, prompts, sampling)
+      for i, tokens in zip(members, result.tokens, strict=True):
+        text = self.tok_decode(tokens)
+        for stop in until:
+          if stop and stop in text:
+            text = text[:text.index(stop)]
+        out[i] = text
+    return out
+
+
+def task_manager(include_path: str | Sequence[str] | None = None, *, builtin: bool = True):
+  """The harness's `TaskManager` with `include_path` (task YAMLs of one's own) added; without
+  `builtin`, those alone (the built-in index of some 15,000 tasks takes seconds to scan)."""
+  _require_lm_eval()
+  from lm_eval.tasks import TaskManager
+  manager = TaskManager(include_path=include_path, include_defaults=builtin)
+  if not hasattr(manager, "include_defaults"):  # What check_tasks names as searched.
+    manager.include_defaults = builtin
+  return manager
+
+
+def check_tasks(tasks: Sequence[str], manager) -> None:
+  """Raises ValueError for a task name the harness does not know, listing where it looked."""
+  known = set(manager.all_tasks)
+  missing = [t for t in tasks if t not in known]
+  if missing:
+    paths = getattr(manager, "include_path", None)
+    builtin = getattr(manager, "include_defaults", True)
+    raise ValueError(
+        f"harness tasks {missing} are not known to lm-evaluation-harness: looked among "
+        f"{len(known)} tasks, groups and tags"
+        + (" (its built-in ones" if builtin else " (no built-in ones")
+        + (f", and the include_path {paths!r})" if paths else ", no include_path given)")
+        + ". Pass the directory of your task YAMLs as include_path.")
+
+
+def evaluate(lm: HarnessLM, tasks: Sequence[str], *, include_path=None,
+             limit: int | float | None = None, num_fewshot: int | None = None,
+             manager=None) -> dict:
+  """`lm_eval.simple_evaluate` of `tasks` on `lm` (tasks checked first); its results dict."""
+  import lm_eval
+  manager = manager or task_manager(include_path)
+  check_tasks(tasks, manager)
+  return lm_eval.simple_evaluate(model=lm, tasks=list(tasks), task_manager=manager,
+                                 limit=limit, num_fewshot=num_fewshot, log_samples=False,
+                                 bootstrap_iters=0, verbosity="WARNING")
+
+
+def scalar_metrics(results: dict) -> dict[str, float]:
+  """`harness/<task>/<metric>` -> value for every numeric metric of `results`."""
+  out = {}
+  for task, metrics in results.get("results", {}).items():
+    for name, value in metrics.items():
+      if isinstance(value, int | float) and not isinstance(value, bool) and "stderr" not in name:
+        out[f"harness/{task}/{name.split(',')[0]}"] = float(value)
+  return out
+
+
+@dataclasses.dataclass
+class _Prompted:
+  prompts: tuple[str, ...] = ()
+  max_new_tokens: int = 32
+
+
+class HarnessEval(Action):
+  """Runs harness tasks on the training state every `every_steps` (and at the last step),
+  writing each task's metrics to `writer` as `harness/<task>/<metric>`, and the greedy
+  continuations of `prompts` as text (`harness/generations`).
+
+  The state stays in the training layout: scoring and generation compile through the
+  trainer's strategy, nothing is gathered to one device.
+  """
+
+  reads_state = True
+  time_category = "eval"
+
+  def __init__(self, trainer, writer, tasks: Sequence[str], *, every_steps: int,
+               tokenizer=None, include_path=None, limit: int | float | None = None,
+               prompts: Sequence[str] = (), max_new_tokens: int = 32, batch_size: int = 8,
+               builtin_tasks: bool = True):
+    super().__init__(every_steps=every_steps)
+    self.trainer, self.writer = trainer, writer
+    self.tasks, self.limit = list(tasks), limit
+    self.manager = task_manager(include_path, builtin=builtin_tasks)
+    check_tasks(self.tasks, self.manager)  # Before training starts.
+    self.tokenizer, self.batch_size = tokenizer, batch_size
+    self.prompted = _Prompted(tuple(prompts), max_new_tokens)
+    self.last_results: dict | None = None
+
+  def triggers(self, view) -> bool:
+    return bool(view.crossed(self.every_steps)) or view.is_last
+
+  def run(self, view) -> None:
+    lm = HarnessLM.from_trainer(self.trainer, view.state, self.tokenizer,
+                                batch_size=self.batch_size)
+    results = evaluate(lm, self.tasks, limit=self.limit, manager=self.manager)
+    self.last_results = results
+    self.writer.write_scalars(view.step, scalar_metrics(results))
+    if self.prompted.prompts:
+      texts = lm.generate_until([_Request((p, {"max_gen_toks": self.prompted.max_new_tokens}))
+                                 for p in self.prompted.prompts])
+      self.writer.write_texts(view.step, {"harness/generations": "\n\n".join(
+          f"{p!r} -> {t!r}" for p, t in zip(self.prompted.prompts, texts, strict=True))})
+
+
+@dataclasses.dataclass
+class _Request:
+  args: tuple
+
+
+def main(argv):
+  from absl import flags
+  flags_ = flags.FLAGS
+  if len(argv) > 1:
+    raise SystemExit(f"Unexpected arguments: {argv[1:]}")
+  from trainer import generate as command
+  from trainer.distributed import devices
+  from trainer.language_model import LanguageModelTrainer
+  devices.initialize(flags_.num_cpu_devices)
+  try:
+    tasks = [t for t in flags_.tasks.split(",") if t]
+    if not tasks:
+      raise ValueError("--tasks: give one or more task names, comma-separated.")
+    manager = task_manager(flags_.include_path, builtin=flags_.builtin_tasks)
+    check_tasks(tasks, manager)
+    config = command.run_config(flags_.workdir, flags_.init_from, flags_.config)
+    with config.unlocked():
+      config.init_from.update(step=flags_.step, member=flags_.member)
+      if flags_.strategy:
+        config.strategy.name = flags_.strategy
+    trainer = LanguageModelTrainer(config)
+    rows = max(config.batch_size, trainer.strategy.batch_multiple)
+    tokens = np.zeros((rows, config.seq_len), np.int32)
+    state = trainer.init_state({"inputs": tokens, "targets": tokens})
+    lm = HarnessLM.from_trainer(trainer, state, flags_.tokenizer)
+    results = evaluate(lm, tasks, limit=flags_.limit or None, manager=manager)
+  except (ValueError, OSError) as e:
+    sys.exit(f"trainer.harness: {e}")
+  for name, value in sorted(scalar_metrics(results).items()):
+    print(f"{name.removeprefix('harness/')}: {value:.4f}")
+
+
+def _define_flags():
+  from absl import flags
+  flags.DEFINE_string("workdir", None, "A run's workdir (its checkpoints/ and config.json).")
+  flags.DEFINE_string("init_from", None, "A Hugging Face model directory, instead of a run.")
+  flags.DEFINE_string("config", None, "The run's config as JSON (default: "
+                      "<workdir>/config.json).")
+  flags.DEFINE_integer("step", -1, "The checkpoint step (-1: the latest).")
+  flags.DEFINE_integer("member", -1, "An ensemble checkpoint's member.")
+  flags.DEFINE_string("strategy", None, "Evaluate under this strategy instead of the run's.")
+  flags.DEFINE_string("tasks", "", "Task names, comma-separated.")
+  flags.DEFINE_string("include_path", None, "A directory of task YAMLs of one's own.")
+  flags.DEFINE_string("tokenizer", None, "A tokenizer.json or model directory (default: the "
+                      "run's config.data.tokenizer, or --init_from's).")
+  flags.DEFINE_boolean("builtin_tasks", True, "Also index the harness's built-in tasks.")
+  flags.DEFINE_float("limit", 0, "Documents per task (0: all; below 1: a fraction).")
+  flags.DEFINE_integer("num_cpu_devices", 1, "Host CPU devices to create.")
+
+
+if __name__ == "__main__":
+  from absl import app
+  os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+  _define_flags()
+  app.run(main)
