@@ -53,6 +53,13 @@ flags.DEFINE_string("tokenizer", None, "A tokenizers tokenizer.json; default: th
 flags.DEFINE_integer("samples", 3, "Continuations to sample after training.")
 flags.DEFINE_integer("sample_tokens", 24, "Tokens per sampled continuation.")
 flags.DEFINE_integer("num_cpu_devices", 8, "Host devices to make on a CPU-only machine.")
+flags.DEFINE_list("harness_tasks", [], "lm-evaluation-harness tasks to run during training "
+                  "(every --config.log_every_steps and at the end; trainer.harness).")
+flags.DEFINE_string("harness_include_path", None, "A directory of harness task YAMLs.")
+flags.DEFINE_boolean("harness_builtin_tasks", True, "Also index the harness's built-in tasks.")
+flags.DEFINE_list("harness_prompts", ["The tests make", "A researcher"],
+                  "Prompts whose continuations go to the writers as text with the harness's "
+                  "results.")
 flags.mark_flags_as_required(["workdir"])
 flags.register_validator("workdir", workdir_lib.flag_validator)
 
@@ -215,9 +222,17 @@ def finetune(config, workdir: str) -> None:
     fresh = checkpointer.latest_step() is None
     state = trainer.init_state(held_out[0])
     before = trainer.evaluate(state, held_out)["loss"]
+    actions = [lm.CorpusMetrics(writer, every_steps=config.log_every_steps)]
+    if FLAGS.harness_tasks:  # Benchmark tasks on the training state (trainer.harness).
+      from trainer.harness import HarnessEval
+      actions.append(HarnessEval(
+          trainer, writer, FLAGS.harness_tasks, every_steps=config.log_every_steps,
+          tokenizer=tokenizer_path, include_path=FLAGS.harness_include_path,
+          builtin_tasks=FLAGS.harness_builtin_tasks, prompts=FLAGS.harness_prompts,
+          max_new_tokens=16))
     result = trainer.fit(stream, num_steps=config.num_train_steps, checkpointer=checkpointer,
                          writer=writer, workdir=workdir, state=state if fresh else None,
-                         actions=[lm.CorpusMetrics(writer, every_steps=config.log_every_steps)])
+                         actions=actions)
   finally:
     checkpointer.close()
     writer.close()

@@ -58,6 +58,8 @@ FEW_STEPS = {
                                              "--batch", "16", "--workloads", "cnn_dp"],
     "benchmarks/structure.py": [],  # Reads source files only: seconds as written.
     "trainer.generate": [],  # A few tokens from the fine-tune's checkpoint: seconds.
+    "trainer.harness": [],  # 28 requests of the example tasks: seconds.
+    "benchmarks/harness_cost.py": ["--steps", "2", "--repeats", "1"],
     "benchmarks/generation.py": ["--new", "4", "--batch", "2", "--prompt", "8", "--layers", "1",
                                  "--embed", "64", "--vocab", "64", "--repeats", "1"],
     "benchmarks/steps_per_call.py": ["--ks", "1,2", "--models", "one", "--steps", "2",
@@ -136,6 +138,8 @@ EXPECTED_OUTPUT = {
     "examples/finetune_lm.py": r"^validation loss: before=\d+\.\d{4} after=\d+\.\d{4}",
     "trainer.export": r"^wrote \d+ tensors to \S+model\.safetensors",
     "trainer.generate": r"^\[0\] 'The tests make'\n  -> ['\"].*['\"]$",
+    "trainer.harness": r"^docs_choice/acc: \d\.\d{4}$",
+    "benchmarks/harness_cost.py": r"^harness action\s+\d+\.\d{4}\s+\d+\.\dx$",
     "benchmarks/generation.py": (r"^\s+4 cached\s+\d+\.\d{4}\s+\d+\.\d\s+\d+\.\d{2}x\s+"
                                  r"\d+\.\d{2}\s+\d+\.\d{2}$"),
     "benchmarks/hf_load.py": r"^fsdp \(8 devices\)\s+\d+\.\d\s+\d+\.\d{3}\s+\d+\.\d{2}",

@@ -262,7 +262,8 @@ def scalar_metrics(results: dict) -> dict[str, float]:
   out = {}
   for task, metrics in results.get("results", {}).items():
     for name, value in metrics.items():
-      if isinstance(value, int | float) and not isinstance(value, bool) and "stderr" not in name:
+      if (isinstance(value, int | float) and not isinstance(value, bool)
+          and "stderr" not in name and name != "sample_len"):
         out[f"harness/{task}/{name.split(',')[0]}"] = float(value)
   return out
 
