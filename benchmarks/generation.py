@@ -13,7 +13,9 @@ number of new tokens:
   length so it compiles once) through the model for every new token and reads the next
   token's logits back.
 
-Both produce the same tokens (checked). Times are the best of `--repeats` after a
+The tokens both choose agree up to each row's first near-tie, which their different
+roundings can break apart (the `same tokens` column: the mean share of each row's new
+tokens before the first difference). Times are the best of `--repeats` after a
 warm-up call (compilation is reported apart); tokens/s counts new tokens of all rows.
 The cache's size is printed too: its bytes per device under the layout (one device
 here; `python -m trainer.plan` shows it for a config's mesh).
@@ -100,22 +102,25 @@ def main():
         f"layers x {args.embed}, vocab {args.vocab}; {args.batch} prompts of {args.prompt} "
         f"tokens, greedy; best of {args.repeats}")
   print(f"{'new':>5} {'run':<10} {'s':>9} {'tokens/s':>10} {'vs recompute':>13} "
-        f"{'first call s':>13} {'cache MiB':>10}")
+        f"{'first call s':>13} {'cache MiB':>10} {'same tokens':>12}")
   for steps in news:
     prompt_list = prompts.tolist()
     sampling = Sampling(max_new_tokens=steps)
     cached, cached_warm, cached_s = timed(
         lambda p=prompt_list, s=sampling: generator(state, p, s))
     baseline, base_warm, base_s = timed(lambda n=steps: recompute(n))
-    if np.asarray(cached.tokens).tolist() != baseline.tolist():
-      raise SystemExit(f"the cached tokens differ from the recompute's at {steps} new tokens")
+    # The tokens agree up to each row's first near-tie that the two programs' roundings
+    # break apart (a random model's logits are flat; on a GPU, TF32 matmuls).
+    same = np.mean([np.argmin(np.append(np.asarray(a) == b, False))
+                    for a, b in zip(cached.tokens, baseline, strict=True)]) / steps
     slots = args.prompt + steps
     cache_mib = 2 * args.layers * args.batch * slots * kv * (args.embed // heads) * 4 / 2**20
     made = args.batch * steps
     print(f"{steps:>5} {'recompute':<10} {base_s:>9.4f} {made / base_s:>10.1f} {1.0:>12.2f}x "
           f"{base_warm:>13.2f} {'':>10}")
     print(f"{steps:>5} {'cached':<10} {cached_s:>9.4f} {made / cached_s:>10.1f} "
-          f"{base_s / cached_s:>12.2f}x {cached_warm:>13.2f} {cache_mib:>10.2f}")
+          f"{base_s / cached_s:>12.2f}x {cached_warm:>13.2f} {cache_mib:>10.2f} "
+          f"{same:>11.1%}")
 
 
 if __name__ == "__main__":

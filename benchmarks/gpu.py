@@ -18,6 +18,8 @@ seconds (`--size smoke`, the default elsewhere):
   dense model (`moe.py`);
 - `attention`: the LM's step on one long sequence, its temporaries and time at
   1K, 4K and 8K tokens, one device (`long_context.py` with no context axis);
+- `generation`: the key/value-cache decoder against recomputing the window for every
+  token, a GPT-2 of 12 x 768 (`generation.py`);
 - `ensemble`: 4 members on one device, looped against `vmap`ped, against 4
   single-model steps (`ensemble_step_time.py --groups 4on1`).
 
@@ -47,7 +49,7 @@ STAGES = {
                   "1", "--repeats", "1", "--matmul", "256"],
     },
     "steps_per_call": {
-        "gpu": ["steps_per_call.py", "--ks", "1,8,64", "--steps", "256", "--repeats", "2"],
+        "gpu": ["steps_per_call.py", "--ks", "1,8,64", "--steps", "256", "--repeats", "1"],
         "smoke": ["steps_per_call.py", "--ks", "1,2", "--models", "one", "--steps", "2",
                   "--repeats", "1", "--batch", "8"],
     },
@@ -57,7 +59,7 @@ STAGES = {
     },
     "moe": {
         "gpu": ["moe.py", "--experts", "8,32", "--seq", "1024", "--batch", "16", "--embed",
-                "512", "--expert-width", "1024", "--rounds", "3", "--block-seconds", "0.5"],
+                "512", "--expert-width", "1024", "--rounds", "2", "--block-seconds", "0.5"],
         "smoke": ["moe.py", "--experts", "4", "--seq", "16", "--batch", "2", "--embed", "16",
                   "--expert-width", "16", "--rounds", "1", "--block-seconds", "0.01"],
     },
@@ -65,6 +67,13 @@ STAGES = {
         "gpu": ["long_context.py", "--seqs", "1024,4096,8192", "--contexts", "", "--rounds", "3"],
         "smoke": ["long_context.py", "--seqs", "32", "--contexts", "", "--rounds", "1",
                   "--block-seconds", "0.01"],
+    },
+    "generation": {
+        "gpu": ["generation.py", "--family", "gpt2", "--layers", "12", "--embed", "768",
+                "--vocab", "32000", "--batch", "16", "--prompt", "128", "--new", "32,256",
+                "--repeats", "2"],
+        "smoke": ["generation.py", "--new", "4", "--batch", "2", "--prompt", "8", "--layers",
+                  "1", "--embed", "64", "--vocab", "64", "--repeats", "1"],
     },
     "ensemble": {
         "gpu": ["ensemble_step_time.py", "--groups", "4on1", "--steps", "50"],

@@ -141,7 +141,7 @@ EXPECTED_OUTPUT = {
     "trainer.harness": r"^docs_choice/acc: \d\.\d{4}$",
     "benchmarks/harness_cost.py": r"^harness action\s+\d+\.\d{4}\s+\d+\.\dx$",
     "benchmarks/generation.py": (r"^\s+4 cached\s+\d+\.\d{4}\s+\d+\.\d\s+\d+\.\d{2}x\s+"
-                                 r"\d+\.\d{2}\s+\d+\.\d{2}$"),
+                                 r"\d+\.\d{2}\s+\d+\.\d{2}\s+\d+\.\d%$"),
     "benchmarks/hf_load.py": r"^fsdp \(8 devices\)\s+\d+\.\d\s+\d+\.\d{3}\s+\d+\.\d{2}",
     "benchmarks/first_step.py": r"^imports\s+\d+\.\d\s+\d+\.\d\s+\d+\.\d{2}$",
     "benchmarks/long_context.py": r"^\s+64 context=2 ring\s+\d+\.\d\s+\d+\.\d{3}x\s+\d+\.\d{2}",
