@@ -111,9 +111,14 @@ def attend(module: nn.Module, q: jax.Array, k: jax.Array, v: jax.Array, *,
     raise RuntimeError("kv_cache.attend outside kv_cache.decoding(): the cache has no length.")
   b, _, kv, d = k.shape
   shape = (b, setting.length, kv, d)
-  key = module.variable("cache", "key", jnp.zeros, shape, k.dtype)
-  value = module.variable("cache", "value", jnp.zeros, shape, v.dtype)
-  index = module.variable("cache", "index", jnp.zeros, (b,), jnp.int32)
+  names = _names(heads_name)
+
+  def zeros(shape, dtype, names):  # Boxed with its logical names, as parameters are.
+    return lambda: nn.LogicallyPartitioned(jnp.zeros(shape, dtype), names)
+
+  key = module.variable("cache", "key", zeros(shape, k.dtype, names))
+  value = module.variable("cache", "value", zeros(shape, v.dtype, names))
+  index = module.variable("cache", "index", zeros((b,), jnp.int32, ("batch",)))
   key.value, value.value, index.value, out = _step(
       key.value, value.value, index.value, q, k, v, heads_name, window, scale)
   return out
@@ -149,12 +154,16 @@ def attend_nnx(cache: dict, q: jax.Array, k: jax.Array, v: jax.Array, *,
 
 
 def set_index(cache: Any, index: jax.Array) -> Any:
-  """`cache` (a Linen `cache` collection or an NNX model's cache state as a pure dict) with
-  every layer's `index` set to `index [batch]` (broadcast over a layer axis in front)."""
+  """`cache` (a model's cache as `ModelVariables.decode` returns it: nested dicts, leaves
+  boxed with their logical names) with every layer's `index` set to `index [batch]`
+  (broadcast over a layer axis in front)."""
   def visit(tree):
-    if isinstance(tree, dict) or hasattr(tree, "items"):
-      return {k: (jnp.broadcast_to(index.astype(jnp.int32), v.shape) if k == "index"
-                  and not hasattr(v, "items") else visit(v)) for k, v in tree.items()}
-    return tree
+    if isinstance(tree, nn.meta.AxisMetadata):
+      return tree.replace_boxed(jnp.broadcast_to(index.astype(jnp.int32),
+                                                 nn.meta.unbox(tree).shape))
+    if hasattr(tree, "items"):
+      return {k: visit(v) if k == "index" or hasattr(v, "items") else v
+              for k, v in tree.items()}
+    return jnp.broadcast_to(index.astype(jnp.int32), tree.shape)
 
   return visit(cache)

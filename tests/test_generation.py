@@ -293,3 +293,28 @@ def test_the_command_refuses_what_it_cannot_serve(tmp_path):
   config = tiny_lm_config("data_parallel")
   with pytest.raises(ValueError, match="comma-separated integers"):
     command.generate(config, ["1,x"], token_ids=True)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_the_dry_run_counts_the_cache_per_device(family):
+  """`trainer.plan --generate=ROWSxPOSITIONS`: the cache's bytes from its logical names
+  through the rule table (data x tensor, 2 x 4): GPT-2's heads split over `model`, a
+  Llama's 2 key/value heads kept whole (`configs/lm.py`), rows over `data` for both."""
+  from trainer.generation import cache_bytes
+  from trainer.plan import make_plan
+  config = tiny_lm_config("data_tensor", **{"model.family": family})
+  if family == "llama":
+    config.model.num_kv_heads = 2
+  trainer = LanguageModelTrainer(config)
+  rows, slots, layers, heads = 8, 16, 2, (8 if family == "gpt2" else 2)
+  batch = lm_batch(np.zeros((16, 16), np.int32))
+  kv = 2 * layers * rows * slots * heads * 4 * 4  # key and value, head_dim 4, float32.
+  index = layers * rows * 4
+  split = 8 if family == "gpt2" else 2
+  want = (kv + index, kv // split + index // 2)
+  abstract = trainer.strategy.checkpoint_target(trainer.states.abstract(batch))
+  assert cache_bytes(trainer, abstract, rows, slots) == want
+  if family == "gpt2":
+    plan = make_plan(trainer, batch, generate=(rows, slots))
+    assert plan.generation == (rows, slots, *want)
+    assert "generation cache" in plan.report()

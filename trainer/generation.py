@@ -88,6 +88,31 @@ class Generation:
   stopped: list[bool]
 
 
+def cache_bytes(trainer, abstract_state: PyTree, rows: int, slots: int) -> tuple[int, int]:
+  """`(bytes in all, bytes on the fullest device)` of the key/value cache a generation of
+  `rows` prompts with `slots` positions (longest prompt + new tokens) keeps, from the
+  model's cache abstractly (nothing is computed) and the strategy's rule table."""
+  from strategies import layout
+
+  mv, strategy = trainer.model_variables, trainer.strategy
+  tokens = jax.ShapeDtypeStruct((rows, 1), jnp.int32)
+  rngs = {"params": jax.random.PRNGKey(0), "dropout": jax.random.PRNGKey(0)}
+  cache = jax.eval_shape(lambda state, tokens: mv.decode(
+      state.params, state.model_state, None, ((tokens,), {"positions": tokens}), rngs=rngs,
+      length=slots)[1], abstract_state, tokens)
+  rules, mesh = getattr(strategy, "rules", None), getattr(strategy, "mesh", None)
+  total = per_device = 0
+  for _, shape, size, names, _ in layout.annotations(cache):
+    total += size
+    if rules is None or mesh is None:
+      per_device += size
+      continue
+    spec = layout.resolve(names, rules, mesh.axis_names)
+    pieces = [math.prod(mesh.shape[a] for a in layout.axis_names(entry)) for entry in spec]
+    per_device += size // max(math.prod(pieces), 1) if pieces else size
+  return total, per_device
+
+
 def _logits_of(outputs: Any) -> jax.Array:
   return getattr(outputs, "logits", outputs)
 

@@ -82,6 +82,9 @@ class Plan:
   device_memory: int | None = None
   pipeline: tuple[str, ...] = ()
   collective_bytes: dict[str, int] = dataclasses.field(default_factory=dict)
+  #: `(rows, slots, bytes in all, bytes per device)` of a generation's key/value cache
+  #: (`--generate`), or None.
+  generation: tuple[int, int, int, int] | None = None
 
   @property
   def peak_bytes(self) -> int:
@@ -108,6 +111,10 @@ class Plan:
             f"{n} x{c} ({mib(self.collective_bytes.get(n, 0))})"
             for n, c in self.collectives.items()) or "none"),
         "  largest parameters:"]
+    if self.generation:
+      rows, slots, total, per_device = self.generation
+      lines.insert(len(lines) - 1, f"  generation cache  {mib(per_device)} ({rows} rows x "
+                   f"{slots} positions; {mib(total)} in all), besides the parameters")
     if self.pipeline:
       lines[1:1] = [f"  {self.pipeline[0]}"] + [f"    {line}" for line in self.pipeline[1:]]
     for path, shape, spec, size in self.largest:
@@ -161,10 +168,13 @@ def count_collective_bytes(hlo: str) -> dict[str, int]:
 
 
 def make_plan(trainer: Any, example_batch: dict[str, np.ndarray], *,
-              device_memory: int | None = None, top: int = 5) -> Plan:
+              device_memory: int | None = None, top: int = 5,
+              generate: tuple[int, int] | None = None) -> Plan:
   """The plan of `trainer`'s train step for batches shaped like the host batch
   `example_batch` (the global batch, on one process), with nothing initialised: the
   state's leaves are `jax.ShapeDtypeStruct` objects with the strategy's shardings.
+  `generate=(rows, slots)` adds the key/value cache a generation of `rows` prompts of
+  `slots` positions keeps (`trainer.generation.cache_bytes`).
 
   Raises:
     ValueError: a pmap strategy (its step takes per-device copies; plan its jit
@@ -191,8 +201,12 @@ def make_plan(trainer: Any, example_batch: dict[str, np.ndarray], *,
   stages = ()
   if pipeline is not None:
     stages = (pipeline.describe(), *pipeline.layout_lines(pipeline.check_state(abstract)))
+  generation = None
+  if generate:
+    from trainer.generation import cache_bytes
+    generation = (*generate, *cache_bytes(trainer, abstract, *generate))
   return Plan(
-      strategy=strategy.describe(), num_devices=strategy.num_devices,
+      generation=generation, strategy=strategy.describe(), num_devices=strategy.num_devices,
       params_bytes=params_bytes, opt_state_bytes=opt_bytes,
       other_state_bytes=_sum(abstract) - params_bytes - opt_bytes,
       argument_bytes=int(memory.argument_size_in_bytes),
@@ -318,6 +332,16 @@ def main(argv) -> None:
     config.strategy.mesh_shape = shape
     devices_count = devices_count or math.prod(shape)
   memory = device_memory_bytes(FLAGS.device, FLAGS.memory_gib)
+  generate = None
+  if FLAGS.generate:
+    try:
+      generate = tuple(int(n) for n in FLAGS.generate.lower().split("x"))
+      if len(generate) != 2 or min(generate) < 1:
+        raise ValueError
+    except ValueError:
+      raise app.UsageError(f"--generate={FLAGS.generate!r} must be ROWSxPOSITIONS, e.g. "
+                           f"8x512 (prompts, and the longest prompt plus the new tokens)."
+                           ) from None
   spec = FLAGS.trainer or config.trainer
   if not spec:
     raise app.UsageError("the config names no Trainer (config.trainer is empty): pass "
@@ -331,7 +355,7 @@ def main(argv) -> None:
   from trainer.distributed import devices
   devices.initialize(devices_count or config.num_cpu_devices or 8)
   trainer = trainer_cls(config)
-  plan = make_plan(trainer, example_batch(config), device_memory=memory)
+  plan = make_plan(trainer, example_batch(config), device_memory=memory, generate=generate)
   print(f"{trainer_cls.__name__} ({spec})" + (f"; {note}" if note else ""))
   print(plan.report())
 
@@ -346,6 +370,8 @@ def _define_flags():
   flags.DEFINE_string("mesh", "", "The mesh shape, e.g. 2x4 (sets config.strategy.mesh_shape).")
   flags.DEFINE_string("device", "", "A device of trainer.throughput.MEMORY_GIB (e.g. H100).")
   flags.DEFINE_float("memory_gib", 0.0, "One device's memory in GiB (instead of --device).")
+  flags.DEFINE_string("generate", "", "ROWSxPOSITIONS: also the key/value cache a generation "
+                      "of that many prompts and positions keeps per device (trainer.generation).")
   flags.mark_flag_as_required("config")
 
 

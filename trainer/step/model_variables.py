@@ -119,6 +119,8 @@ class ModelVariables(abc.ABC):
              *, rngs: Rngs, length: int) -> tuple[Any, PyTree]:
     """`(outputs, cache)` of an eval-mode call that decodes with a key/value cache of
     `length` slots (`models.kv_cache`): `cache` None makes a new one (every row's index 0).
+    The cache is nested dicts whose leaves are boxed with their logical names (Linen's
+    `LogicallyPartitioned`), Linen and NNX alike.
 
     Raises:
       TypeError: a model whose attention keeps no cache.
@@ -437,10 +439,10 @@ class NnxVariables(ModelVariables):
       init_cache(jax.tree.leaves(args)[0].shape[0], length)
     if cache is not None:
       made = nnx.state(model, nnx.Cache)
-      nnx.replace_by_pure_dict(made, cache)
+      nnx.replace_by_pure_dict(made, nn.meta.unbox(cache))
       nnx.update(model, made)
     outputs = model(*args, **kwargs)
-    return outputs, nnx.to_pure_dict(nnx.state(model, nnx.Cache))
+    return outputs, _boxed_tree(nnx.state(model, nnx.Cache))  # As a Linen cache: named.
 
   def _with_values(self, params, model_state, rngs, *, train: bool) -> nnx.Module:
     """The module built from `rngs` with `params` and `model_state` in it, in its mode."""
