@@ -102,7 +102,7 @@ def cache_bytes(trainer, abstract_state: PyTree, rows: int, slots: int) -> tuple
       length=slots)[1], abstract_state, tokens)
   rules, mesh = getattr(strategy, "rules", None), getattr(strategy, "mesh", None)
   total = per_device = 0
-  for _, shape, size, names, _ in layout.annotations(cache):
+  for _, _, size, names, _ in layout.annotations(cache):
     total += size
     if rules is None or mesh is None:
       per_device += size
