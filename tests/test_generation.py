@@ -5,8 +5,8 @@ dense and mixture of experts, a sliding window, Llama 3.1's rope), within the fl
 noise of the computation (`tests/numerics.py`'s chaos runs); greedy tokens equal
 `transformers`' `generate(do_sample=False)` for tiny random GPT-2, Llama 3, Qwen3,
 Mistral (prompts past its window) and Mixtral checkpoints, under one device and data x
-tensor parallelism; sampling follows its rules and a seed gives the same tokens under
-both layouts; bad requests are refused before compute, naming the field.
+tensor parallelism (Llama 3 also FSDP); sampling follows its rules and a seed gives the
+same tokens under every layout; the dry run counts the cache per device; bad requests are refused before compute, naming the field.
 """
 
 import functools
@@ -142,7 +142,7 @@ def hf_models(tmp_path_factory):
 
 
 def _trainer_and_state(path, layout):
-  config = run_config(path, "data_tensor")
+  config = run_config(path, "data_tensor" if layout == "single_device" else layout)
   if layout == "single_device":
     config.strategy.name = "single_device"
   trainer = LanguageModelTrainer(config)
@@ -158,18 +158,19 @@ def test_greedy_tokens_equal_transformers_generate(hf_models, kind):
   path, expected = hf_models[kind]
   sampling = Sampling(max_new_tokens=NEW, stop_tokens=(STOP,))
   sampled = {}
-  for layout in ("single_device", "data_tensor"):
+  layouts = ("single_device", "data_tensor") + (("fsdp",) if kind == "llama3" else ())
+  for layout in layouts:
     trainer, state = _trainer_and_state(path, layout)
     out = Generator.from_trainer(trainer)(state, PROMPTS, sampling)
     assert out.tokens == expected, f"{kind} under {layout}"
     assert out.stopped == [STOP in row for row in expected]
-    if kind == "llama3":  # A seed draws the same tokens under both layouts.
+    if kind == "llama3":  # A seed draws the same tokens under every layout.
       drawn = Generator.from_trainer(trainer)(
           state, PROMPTS, Sampling(max_new_tokens=NEW, temperature=1.5, top_k=20, top_p=0.95),
           seed=7)
       sampled[layout] = drawn.tokens
   if sampled:
-    assert sampled["single_device"] == sampled["data_tensor"] != expected
+    assert sampled["single_device"] == sampled["data_tensor"] == sampled["fsdp"] != expected
 
 
 def test_choose_follows_temperature_top_k_and_top_p():

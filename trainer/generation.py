@@ -234,7 +234,8 @@ class Generator:
     key = (padded_rows, length, sampling)
     if key not in self._programs:
       self._programs[key] = self.strategy.compile_eval_step(self.program(sampling), state)
-    new, count, stopped = to_host(self._programs[key](state, self.strategy.put_batch(batch)))
+    placed = self.strategy.put_batch(self.strategy.local_rows(batch))  # This process's rows.
+    new, count, stopped = to_host(self._programs[key](state, placed))
     return Generation([list(map(int, new[i, :count[i]])) for i in range(rows)],
                       [bool(s) for s in stopped[:rows]])
 

@@ -111,8 +111,9 @@ class Scorer:
         n = len(whole) - 1
         inputs[i, :n], targets[i, :n] = whole[:-1], whole[1:]
         weights[i, n - len(continuation[-n:]):n] = 1.0
-      batch = self.trainer.strategy.put_batch(
-          dict(inputs=inputs, targets=targets, weights=weights))
+      strategy = self.trainer.strategy
+      batch = strategy.put_batch(strategy.local_rows(
+          dict(inputs=inputs, targets=targets, weights=weights)))
       sums, greedy = to_host(self._program(self.state, batch))
       out += [(float(sums[i]), bool(greedy[i])) for i in range(len(chunk))]
     return out
