@@ -6,7 +6,8 @@ noise of the computation (`tests/numerics.py`'s chaos runs); greedy tokens equal
 `transformers`' `generate(do_sample=False)` for tiny random GPT-2, Llama 3, Qwen3,
 Mistral (prompts past its window) and Mixtral checkpoints, under one device and data x
 tensor parallelism (Llama 3 also FSDP); sampling follows its rules and a seed gives the
-same tokens under every layout; the dry run counts the cache per device; bad requests are refused before compute, naming the field.
+same tokens under every layout; the dry run counts the cache per device; bad requests
+are refused before compute, naming the field.
 """
 
 import functools

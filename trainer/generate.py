@@ -31,19 +31,28 @@ from absl import app, flags
 FLAGS = flags.FLAGS
 
 
-def _define_flags() -> None:
+def define_model_flags(doing: str) -> None:
+  """The flags that name a model and its layout: a run (`--workdir`, `--config`, `--step`,
+  `--member`, `--strategy`) or a Hugging Face directory (`--init_from`), its tokenizer and
+  the host devices (`trainer.harness`'s command takes the same)."""
   flags.DEFINE_string("workdir", None, "A run's workdir (its checkpoints/ and config.json).")
   flags.DEFINE_string("init_from", None, "A Hugging Face model directory, instead of a run.")
   flags.DEFINE_string("config", None, "The run's config as JSON (default: "
                       "<workdir>/config.json).")
   flags.DEFINE_integer("step", -1, "The checkpoint step (-1: the latest).")
   flags.DEFINE_integer("member", -1, "An ensemble checkpoint's member.")
-  flags.DEFINE_string("strategy", None, "Generate under this strategy instead of the run's "
-                      "(e.g. single_device).")
-  flags.DEFINE_multi_string("prompt", [], "A prompt (repeatable).")
-  flags.DEFINE_string("prompts_file", None, "A file of prompts, one per line.")
+  flags.DEFINE_string("strategy", None, f"{doing} under this strategy instead of the run's "
+                      f"(e.g. single_device).")
   flags.DEFINE_string("tokenizer", None, "A tokenizer.json or model directory (default: the "
                       "run's config.data.tokenizer, or --init_from's).")
+  flags.DEFINE_integer("num_cpu_devices", 1, "Host CPU devices to create (a layout trained "
+                       "on several fake CPU devices needs them).")
+
+
+def _define_flags() -> None:
+  define_model_flags("Generate")
+  flags.DEFINE_multi_string("prompt", [], "A prompt (repeatable).")
+  flags.DEFINE_string("prompts_file", None, "A file of prompts, one per line.")
   flags.DEFINE_boolean("token_ids", False, "Prompts are comma-separated token ids; print ids.")
   flags.DEFINE_integer("max_new_tokens", 32, "The most new tokens per prompt.")
   flags.DEFINE_float("temperature", 0.0, "0: greedy; else the sampling temperature.")
@@ -52,8 +61,6 @@ def _define_flags() -> None:
   flags.DEFINE_integer("seed", 0, "The sampling seed.")
   flags.DEFINE_string("stop_ids", "", "Comma-separated ids that end a continuation besides "
                       "the tokenizer's EOS; 'none': not even EOS.")
-  flags.DEFINE_integer("num_cpu_devices", 1, "Host CPU devices to create (a layout trained "
-                       "on several fake CPU devices needs them).")
 
 
 class GenerateError(ValueError):
@@ -90,6 +97,26 @@ def run_config(workdir: str | None, init_from: str | None, config_path: str | No
   return config
 
 
+def build_trainer(config, *, step: int = -1, member: int = -1, strategy: str | None = None):
+  """The config's `LanguageModelTrainer`, its `init_from` the checkpoint `step` (and
+  `member`), under `strategy` if given; nothing is read yet (`restored_state`)."""
+  from trainer.language_model import LanguageModelTrainer
+  with config.unlocked():
+    config.init_from.update(step=step, member=member)
+    if strategy:
+      config.strategy.name = strategy
+  return LanguageModelTrainer(config)
+
+
+def restored_state(trainer):
+  """The trainer's state with its `config.init_from` parameters, placed by its strategy."""
+  import numpy as np
+  config = trainer.config
+  rows = max(config.batch_size, trainer.strategy.batch_multiple)
+  tokens = np.zeros((rows, config.seq_len), np.int32)
+  return trainer.init_state({"inputs": tokens, "targets": tokens})
+
+
 def read_prompts(prompts: list[str], prompts_file: str | None) -> list[str]:
   out = list(prompts)
   if prompts_file:
@@ -104,17 +131,10 @@ def generate(config, prompts: list[str], *, step: int = -1, member: int = -1,
              strategy: str | None = None, tokenizer: str | None = None,
              token_ids: bool = False, sampling=None, seed: int = 0, stop_ids: str = ""):
   """`(prompts as the model saw them, continuations)`, texts or id lists (`token_ids`)."""
-  import numpy as np
-
   from trainer.data.corpus import Tokenizer
   from trainer.generation import Generator, Sampling
-  from trainer.language_model import LanguageModelTrainer
 
   sampling = sampling or Sampling()
-  with config.unlocked():
-    config.init_from.update(step=step, member=member)
-    if strategy:
-      config.strategy.name = strategy
   decode = None
   stops: tuple[int, ...] = ()
   if token_ids:
@@ -134,13 +154,10 @@ def generate(config, prompts: list[str], *, step: int = -1, member: int = -1,
   elif stop_ids:
     stops += tuple(int(t) for t in stop_ids.split(","))
   sampling = dataclasses.replace(sampling, stop_tokens=tuple(dict.fromkeys(stops)))
-  trainer = LanguageModelTrainer(config)
+  trainer = build_trainer(config, step=step, member=member, strategy=strategy)
   generator = Generator.from_trainer(trainer)
   generator.check(ids, sampling)  # Before the checkpoint is read.
-  rows = max(config.batch_size, trainer.strategy.batch_multiple)
-  tokens = np.zeros((rows, config.seq_len), np.int32)
-  state = trainer.init_state({"inputs": tokens, "targets": tokens})
-  out = generator(state, ids, sampling, seed=seed)
+  out = generator(restored_state(trainer), ids, sampling, seed=seed)
   if decode is None:
     return ids, out.tokens
   return ([decode(p, skip_special_tokens=False) for p in ids],

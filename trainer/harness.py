@@ -328,7 +328,6 @@ def main(argv):
     raise SystemExit(f"Unexpected arguments: {argv[1:]}")
   from trainer import generate as command
   from trainer.distributed import devices
-  from trainer.language_model import LanguageModelTrainer
   devices.initialize(flags_.num_cpu_devices)
   try:
     tasks = [t for t in flags_.tasks.split(",") if t]
@@ -337,15 +336,9 @@ def main(argv):
     manager = task_manager(flags_.include_path, builtin=flags_.builtin_tasks)
     check_tasks(tasks, manager)
     config = command.run_config(flags_.workdir, flags_.init_from, flags_.config)
-    with config.unlocked():
-      config.init_from.update(step=flags_.step, member=flags_.member)
-      if flags_.strategy:
-        config.strategy.name = flags_.strategy
-    trainer = LanguageModelTrainer(config)
-    rows = max(config.batch_size, trainer.strategy.batch_multiple)
-    tokens = np.zeros((rows, config.seq_len), np.int32)
-    state = trainer.init_state({"inputs": tokens, "targets": tokens})
-    lm = HarnessLM.from_trainer(trainer, state, flags_.tokenizer)
+    trainer = command.build_trainer(config, step=flags_.step, member=flags_.member,
+                                    strategy=flags_.strategy)
+    lm = HarnessLM.from_trainer(trainer, command.restored_state(trainer), flags_.tokenizer)
     results = evaluate(lm, tasks, limit=flags_.limit or None, manager=manager)
   except (ValueError, OSError) as e:
     sys.exit(f"trainer.harness: {e}")
@@ -355,20 +348,13 @@ def main(argv):
 
 def _define_flags():
   from absl import flags
-  flags.DEFINE_string("workdir", None, "A run's workdir (its checkpoints/ and config.json).")
-  flags.DEFINE_string("init_from", None, "A Hugging Face model directory, instead of a run.")
-  flags.DEFINE_string("config", None, "The run's config as JSON (default: "
-                      "<workdir>/config.json).")
-  flags.DEFINE_integer("step", -1, "The checkpoint step (-1: the latest).")
-  flags.DEFINE_integer("member", -1, "An ensemble checkpoint's member.")
-  flags.DEFINE_string("strategy", None, "Evaluate under this strategy instead of the run's.")
+
+  from trainer.generate import define_model_flags
+  define_model_flags("Evaluate")
   flags.DEFINE_string("tasks", "", "Task names, comma-separated.")
   flags.DEFINE_string("include_path", None, "A directory of task YAMLs of one's own.")
-  flags.DEFINE_string("tokenizer", None, "A tokenizer.json or model directory (default: the "
-                      "run's config.data.tokenizer, or --init_from's).")
   flags.DEFINE_boolean("builtin_tasks", True, "Also index the harness's built-in tasks.")
   flags.DEFINE_float("limit", 0, "Documents per task (0: all; below 1: a fraction).")
-  flags.DEFINE_integer("num_cpu_devices", 1, "Host CPU devices to create.")
 
 
 if __name__ == "__main__":
