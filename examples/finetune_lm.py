@@ -22,8 +22,13 @@ r"""Fine-tunes a Hugging Face-format language model on a text file, samples from
   JSONL; each is rendered with the model's chat template (a ChatML template is added to
   a tokenizer trained here) and the loss covers the responses alone.
 
-It prints the validation loss before and after training, a few sampled
-continuations of held-out text, and exports the result as an HF model
+With `--harness_tasks` (and `--harness_include_path` for tasks of one's own), it
+runs lm-evaluation-harness tasks on the training state during training
+(`trainer.harness.HarnessEval`), their metrics and a few generations to the writers.
+
+It prints the validation loss before and after training, a few continuations of
+held-out text (sampled with a key/value cache, `trainer.generation`), and exports
+the result as an HF model
 (`<workdir>/hf`: `config.json`, `model.safetensors` with LoRA merged, and the
 tokenizer), which `transformers.AutoModelForCausalLM.from_pretrained` loads.
 """
