@@ -219,6 +219,7 @@ class Generator:
   def __call__(self, state: PyTree, prompts: Sequence[Sequence[int]],
                sampling: Sampling = Sampling(), *, seed: int = 0) -> Generation:
     """Each prompt's continuation (see the module docstring)."""
+    sampling = dataclasses.replace(sampling, stop_tokens=tuple(sampling.stop_tokens))
     self.check(prompts, sampling)
     rows = len(prompts)
     multiple = self.strategy.batch_multiple
