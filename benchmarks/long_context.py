@@ -4,7 +4,8 @@ split over a `context` axis of 4 and 8 devices, by all-gather and by ring attent
     python benchmarks/long_context.py [--seqs 1024,2048,4096] [--rounds 3]
 
 For each sequence length: the transformer LM of `configs/lm.py` (2 layers, width 64,
-8 heads; one sequence per step) on one device (`none`, no context axis), and under
+8 heads; one sequence per step) on one device (`none`, no context axis, plain attention;
+with `--attention plain,blockwise` also `blockwise`, `config.attention.method`), and under
 `configs/lm.py:context` with `context=4` and `context=8` for each method. Printed per
 run: XLA's temporaries per device of the compiled step (`memory_analysis()`: the
 activations kept for the backward pass, the attention scores among them), the bytes
@@ -31,6 +32,10 @@ def main():
   parser.add_argument("--contexts", default="4,8",
                       help="context axis sizes ('': one device alone, no context axis)")
   parser.add_argument("--methods", default="all_gather,ring", help="attention methods")
+  parser.add_argument("--attention", default="plain",
+                      help="one-device attention methods (config.attention.method): plain is "
+                           "`none`; e.g. plain,blockwise adds a blockwise row per length")
+  parser.add_argument("--block-size", type=int, default=512, help="blockwise's block")
   parser.add_argument("--rounds", type=int, default=3)
   parser.add_argument("--block-seconds", type=float, default=1.0)
   args = parser.parse_args()
@@ -52,15 +57,19 @@ def main():
   print(f"{'seq':>6} {'run':<21} {'temp MiB/dev':>13} {'vs none':>8} {'coll MiB/dev':>13} "
         f"{'s/step':>8} {'vs none':>8}")
   for seq in (int(s) for s in args.seqs.split(",")):
-    variants = {"none": ("data_parallel", 1, None)}
+    variants = {"none": ("data_parallel", 1, None, "plain")}
+    for one_device in args.attention.split(","):
+      if one_device != "plain":
+        variants[one_device] = ("data_parallel", 1, None, one_device)
     for c in contexts:
       for method in args.methods.split(","):
-        variants[f"context={c} {method}"] = ("context", c, method)
+        variants[f"context={c} {method}"] = ("context", c, method, "plain")
     runs, temp, moved = {}, {}, {}
-    for name, (layout, size, method) in variants.items():
+    for name, (layout, size, method, attention) in variants.items():
       config = lm.get_config(layout)
       config.update(seq_len=seq, batch_size=1, eval_batch_size=1)
       config.model.max_len = seq
+      config.attention.update(method=attention, block_size=args.block_size)
       strategy = None
       if method is None:
         config.strategy.name = "single_device"

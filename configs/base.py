@@ -138,6 +138,12 @@ def get_config() -> ml_collections.ConfigDict:
   config.mixed_precision = ml_collections.ConfigDict()
   config.mixed_precision.compute_dtype = "float32"  # float32 | bfloat16 | float16.
   config.mixed_precision.loss_scale = 0.0  # Static; 0: 2**12 for float16, 1 otherwise.
+  # How the shared attention (models/attention.py) runs where no `context` axis splits the
+  # sequence: "plain" (each head's whole score matrix) or "blockwise" (blocks of
+  # `block_size` queries and keys, an online softmax, memory linear in the length).
+  config.attention = ml_collections.ConfigDict()
+  config.attention.method = "plain"
+  config.attention.block_size = 512
   # Rematerialisation (trainer/step/remat.py): recompute activations in the backward pass.
   # `policy`: a jax.checkpoint_policies name (nothing_saveable, dots_saveable,
   # dots_with_no_batch_dims_saveable, ...); "": off. `modules`: module class names whose

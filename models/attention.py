@@ -3,7 +3,12 @@
     from models.attention import attention, sequence_positions
     out = attention(q, k, v, segment_ids=segment_ids)   # q [batch, length, heads, head_dim]
 
-Without a `context` mesh axis it is plain attention. Under a strategy whose mesh
+Without a `context` mesh axis it runs by the method the trainer sets while it traces
+(`using`, from `config.attention`): `plain` (the whole score matrix of each head at
+once) or `blockwise` (FlashAttention's schedule in XLA: blocks of queries against
+blocks of keys with an online softmax, its backward pass recomputing each block's
+scores, so memory is linear in the length; a `mask` array falls back to plain). Both
+honour every argument below. Under a strategy whose mesh
 has one (`strategies.context`), each device holds a shard of every sequence and
 the same call runs by the configured method: the keys and values gathered over
 `context` (`all_gather`), or passed round a ring of devices with the softmax
@@ -34,7 +39,11 @@ layout that holds the sequence in another order.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import dataclasses
 import math
+from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
@@ -45,7 +54,65 @@ from jax.sharding import PartitionSpec
 from strategies import context as context_lib
 from strategies.context import ContextError
 
-__all__ = ["attention", "cached_attention", "sequence_positions", "ContextError"]
+__all__ = ["attention", "cached_attention", "sequence_positions", "ContextError", "Method",
+           "using"]
+
+#: How attention runs on a device's whole sequences (`config.attention.method`).
+METHODS = ("plain", "blockwise")
+
+
+@dataclasses.dataclass(frozen=True)
+class Method:
+  """How `attention` runs where no `context` axis splits the sequence.
+
+  Attributes:
+    name: `plain` (every query's scores against every key at once: `[length, length]`
+      per head) or `blockwise` (FlashAttention's schedule in XLA: blocks of `block_size`
+      queries against blocks of keys with an online softmax, and a backward pass that
+      recomputes each block's scores from the saved log-sum-exp; memory linear in the
+      length).
+    block_size: the queries and keys of one block (`blockwise`).
+  """
+
+  name: str = "plain"
+  block_size: int = 512
+
+  @classmethod
+  def from_config(cls, config) -> Method:
+    """`config.attention`'s method.
+
+    Raises:
+      ValueError: naming `config.attention.method` or `.block_size` and what is accepted.
+    """
+    method = cls(name=config.attention.method, block_size=config.attention.block_size)
+    if method.name not in METHODS:
+      raise ValueError(f"config.attention.method={method.name!r} is not one of {METHODS}.")
+    if not isinstance(method.block_size, int) or method.block_size < 1:
+      raise ValueError(f"config.attention.block_size={method.block_size!r} must be an int "
+                       f">= 1 (the queries and keys of one block).")
+    return method
+
+
+_METHOD: contextvars.ContextVar[Method | None] = contextvars.ContextVar("attention_method",
+                                                                       default=None)
+
+
+@contextlib.contextmanager
+def using(method: Method | None) -> Iterator[None]:
+  """Attention traced inside runs by `method` (None: as it is); the previous one on exit."""
+  if method is None:
+    yield
+    return
+  token = _METHOD.set(method)
+  try:
+    yield
+  finally:
+    _METHOD.reset(token)
+
+
+def current_method() -> Method:
+  """The method attention traced now runs by (`using`; plain by default)."""
+  return _METHOD.get() or Method()
 
 
 def _order(length: int) -> np.ndarray:
@@ -182,7 +249,7 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
     raise ValueError(f"attention: {heads} query heads are not a multiple of {kv_heads} "
                      f"key/value heads.")
   plan = context_lib.current()
-  context_lib.record_call(plan.method if plan else "plain")
+  context_lib.record_call(plan.method if plan else current_method().name)
   dropout = dropout_rate > 0.0 and not deterministic
   if dropout and dropout_rng is None:
     raise ValueError("attention: dropout_rate > 0 outside deterministic mode needs a "
@@ -193,6 +260,11 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
   if segment_ids is None:
     segment_ids = jnp.zeros((b, length), jnp.int32)
   if plan is None:
+    method = current_method()
+    if method.name == "blockwise" and mask is None:  # A mask array is [length, length].
+      static = (causal, window, block.scale, block.rate, heads, length)
+      return _blockwise(static, min(method.block_size, length), dropout, q, k, v,
+                        segment_ids, jnp.stack(seed).astype(jnp.uint32))
     return _plain(block, q, k, v, segment_ids, mask, dropout)
   if mask is not None:
     raise ContextError(
@@ -257,6 +329,79 @@ def _plain(block, q, k, v, segment_ids, mask, dropout):
   carry = block.update(_start(b, kv, g, length, d), q.reshape(b, length, kv, g, d), k, v,
                        allowed, extra, drop)
   return _finish(carry, q.dtype)
+
+
+# -- Blockwise attention (memory linear in the length) ----------------------------------------
+
+
+def _pad_to(x: jax.Array, length: int, axis: int, value=0) -> jax.Array:
+  pad = length - x.shape[axis]
+  if not pad:
+    return x
+  widths = [(0, 0)] * x.ndim
+  widths[axis] = (0, pad)
+  return jnp.pad(x, widths, constant_values=value)
+
+
+def _blockwise_setup(block: _Block, q, k, v, segment_ids, size):
+  """The padded, blocked operands: q `[nq, b, bq, kv, g, d]`, k/v `[nk, b, bk, kv, d]`,
+  segments and positions per block."""
+  b, length, heads, d = q.shape
+  kv = k.shape[2]
+  g = heads // kv
+  n = -(-length // size)
+  padded = n * size
+  index = jnp.asarray(_order(length))
+  index = jnp.concatenate([index, length + jnp.arange(padded - length, dtype=index.dtype)])
+  seg = _pad_to(segment_ids, padded, 1, -1)  # Padding matches no real document.
+  qb = _pad_to(q, padded, 1).reshape(b, n, size, kv, g, d).transpose(1, 0, 2, 3, 4, 5)
+  kb = _pad_to(k, padded, 1).reshape(b, n, size, kv, d).transpose(1, 0, 2, 3, 4)
+  vb = _pad_to(v, padded, 1).reshape(b, n, size, kv, d).transpose(1, 0, 2, 3, 4)
+  segb = seg.reshape(b, n, size).transpose(1, 0, 2)
+  indexb = index.reshape(n, size)
+  return qb, kb, vb, segb, indexb
+
+
+def _blockwise(static: tuple, size: int, dropout: bool, q, k, v, segment_ids, seed):
+  """Attention by blocks of `size` queries against blocks of `size` keys with an online
+  softmax (`_Block.update`, the ring's per-block step too), blocks that the causal mask or
+  the window covers skipped. Each query block's computation is rematerialised in the
+  backward pass and each block pair's scores within it, so what autodiff keeps is linear
+  in the length: a query block's inputs, and while one is differentiated, its running
+  sums per key block."""
+  block = _block_of(static, seed)
+  b, length, heads, d = q.shape
+  qb, kb, vb, segb, indexb = _blockwise_setup(block, q, k, v, segment_ids, size)
+  kv, g = qb.shape[3], qb.shape[4]
+  drop = (jnp.arange(b), jnp.arange(heads)) if dropout else None
+  update = jax.checkpoint(block.update)
+
+  @jax.checkpoint
+  def one_query_block(qi, qi_seg, qi_index, kb, vb):
+    def step(carry, blocks):
+      kj, vj, kj_seg, kj_index = blocks
+      allowed = block.allowed(qi_index, kj_index, qi_seg, kj_seg)
+      ids = (*drop, qi_index, kj_index) if dropout else None
+      carry = jax.lax.cond(block.skipped(qi_index, kj_index), lambda c, *_: c,
+                           lambda c, kj, vj, allowed: update(c, qi, kj, vj, allowed, None, ids),
+                           carry, kj, vj, allowed)
+      return carry, None
+
+    carry, _ = jax.lax.scan(step, _start(b, kv, g, size, d), (kb, vb, segb, indexb))
+    return _finish(carry, q.dtype)  # [b, size, heads, d]
+
+  def body(_, args):
+    return None, one_query_block(*args, kb, vb)
+
+  _, out = jax.lax.scan(body, None, (qb, segb, indexb))
+  n = out.shape[0]
+  return out.transpose(1, 0, 2, 3, 4).reshape(b, n * size, heads, d)[:, :length]
+
+
+def _block_of(static: tuple, seed: jax.Array) -> _Block:
+  causal, window, scale, rate, total_heads, length = static
+  return _Block(causal=causal, window=window, scale=scale, rate=rate, seed=(seed[0], seed[1]),
+                total_heads=total_heads, length=length)
 
 
 def _linear_index(axes: tuple[str, ...]) -> jax.Array:

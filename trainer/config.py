@@ -34,6 +34,7 @@ def check_config(config: ml_collections.ConfigDict) -> None:
   Raises:
     ValueError: naming the field, its value and what is accepted.
   """
+  from models.attention import Method as AttentionMethod
   from trainer import writers
   from trainer.checkpoint import store
   from trainer.loop import builtin
@@ -55,6 +56,7 @@ def check_config(config: ml_collections.ConfigDict) -> None:
   accumulation.check_loop(config.grad_accum_loop)
   recipe.check_config(config)
   Remat.from_config(config)
+  AttentionMethod.from_config(config)
   store.check_config(config)
   builtin.check_config(config)
   writers.check_writers(config.writers)

@@ -101,10 +101,9 @@ def build_trainer(config, *, step: int = -1, member: int = -1, strategy: str | N
   """The config's `LanguageModelTrainer`, its `init_from` the checkpoint `step` (and
   `member`), under `strategy` if given; nothing is read yet (`restored_state`)."""
   from trainer.language_model import LanguageModelTrainer
-  with config.unlocked():
-    config.init_from.update(step=step, member=member)
-    if strategy:
-      config.strategy.name = strategy
+  config.init_from.update(step=step, member=member)
+  if strategy:
+    config.strategy.name = strategy
   return LanguageModelTrainer(config)
 
 
@@ -144,7 +143,7 @@ def generate(config, prompts: list[str], *, step: int = -1, member: int = -1,
       raise GenerateError(f"--token_ids: prompts must be comma-separated integers; got "
                           f"{prompts!r}.") from None
   else:
-    path = tokenizer or config.get("data", {}).get("tokenizer") or config.init_from.path
+    path = tokenizer or config.data.tokenizer or config.init_from.path
     tok = Tokenizer(path, add_eos=False)
     ids = [tok(p).tolist() for p in prompts]
     decode = tok.tokenizer.decode

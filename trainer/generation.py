@@ -161,7 +161,7 @@ class Generator:
   def from_trainer(cls, trainer) -> Generator:
     model = trainer.config.model
     return cls(trainer.model_variables, trainer.strategy, max_len=model.max_len,
-               vocab_size=model.get("vocab_size"))
+               vocab_size=model.vocab_size)
 
   def check_layout(self) -> None:
     """Raises ValueError for a layout the cache cannot be kept under, naming it."""

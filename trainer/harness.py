@@ -71,7 +71,7 @@ class Scorer:
   def __init__(self, trainer, state, *, rows: int = 8):
     self.trainer, self.state = trainer, state
     self.max_len = trainer.config.model.max_len
-    self.vocab_size = trainer.config.model.get("vocab_size")
+    self.vocab_size = trainer.config.model.vocab_size
     multiple = trainer.strategy.batch_multiple
     self.rows = math.ceil(rows / multiple) * multiple
     self._program = None
@@ -152,7 +152,7 @@ class HarnessLM(_TemplateLM):
     """`tokenizer` by default the run's `config.data.tokenizer`, else its
     `config.init_from.path`'s."""
     config = trainer.config
-    tokenizer = tokenizer or config.get("data", {}).get("tokenizer") or config.init_from.path
+    tokenizer = tokenizer or config.data.tokenizer or config.init_from.path
     return cls(trainer, state, tokenizer, **kwargs)
 
   @property

@@ -31,6 +31,7 @@ import numpy as np
 import optax
 from clu import metrics as clu_metrics
 
+from models.attention import Method as AttentionMethod
 from trainer import metrics as metrics_lib
 from trainer import sweep as sweep_lib
 from trainer.checkpoint import Checkpointer
@@ -307,7 +308,8 @@ class Trainer(abc.ABC):
     self.model_variables = model_variables.create(self.model,
                                                   sync_batchnorm=config.sync_batchnorm,
                                                   remat=Remat.from_config(config),
-                                                  lora=Lora.from_config(config))
+                                                  lora=Lora.from_config(config),
+                                                  attention=AttentionMethod.from_config(config))
     self.optimizer = self.build_optimizer()
     self.steps = StepFunctions(self, strategy, self.model_variables.init, self.recipe)
     self.states = States(config, steps=self.steps, strategy=strategy, recipe=self.recipe,

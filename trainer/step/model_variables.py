@@ -93,11 +93,26 @@ def _mode_value(name: str, train: bool) -> bool:
   return train if _MODE_ARGUMENTS[name] else not train
 
 
+def _under_attention(method):
+  """`method` run with the shared attention's method set (`models.attention.using`)."""
+  import functools
+
+  @functools.wraps(method)
+  def traced(self, *args, **kwargs):
+    from models import attention
+    with attention.using(self.attention):
+      return method(self, *args, **kwargs)
+
+  return traced
+
+
 class ModelVariables(abc.ABC):
   """Init and apply of one module as pure functions of `(params, model_state)`."""
 
   #: Whether the module is a Linen one (else NNX): how variable paths are named.
   linen: bool = True
+  #: The shared attention's method while the model is traced (`models.attention.Method`).
+  attention: Any = None
 
   @abc.abstractmethod
   def init(self, rngs: Rngs, inputs: Inputs) -> tuple[PyTree, PyTree]:
@@ -133,7 +148,8 @@ class ModelVariables(abc.ABC):
 
 
 def create(model: Any, *, sync_batchnorm: bool = False,
-           remat: Remat | None = None, lora: Lora | None = None) -> ModelVariables:
+           remat: Remat | None = None, lora: Lora | None = None,
+           attention: Any = None) -> ModelVariables:
   """The `ModelVariables` for what `Trainer.build_model` returned.
 
   Args:
@@ -144,13 +160,17 @@ def create(model: Any, *, sync_batchnorm: bool = False,
     lora: add low-rank adapters to the weights it targets (`trainer.step.lora`: Qwix's
       for a Linen module, folded into the weights for an NNX one or under a pipeline);
       None: the model as it is.
+    attention: the `models.attention.Method` the shared attention runs by while the
+      model is traced (`config.attention`); None: plain.
 
   Raises:
     TypeError: an NNX module instance (its parameters exist already, so every
       ensemble member would share them) or something that is not a model.
   """
   if isinstance(model, nn.Module):
-    return LinenVariables(model, sync_batchnorm=sync_batchnorm, remat=remat, lora=lora)
+    variables = LinenVariables(model, sync_batchnorm=sync_batchnorm, remat=remat, lora=lora)
+    variables.attention = attention
+    return variables
   if isinstance(model, nnx.Module):
     raise TypeError(
         f"build_model returned an nnx.Module instance ({type(model).__name__}); return its "
@@ -159,7 +179,9 @@ def create(model: Any, *, sync_batchnorm: bool = False,
         f"every seed and ensemble member gets its own parameters, created where the "
         f"strategy places them.")
   if callable(model):
-    return NnxVariables(model, sync_batchnorm=sync_batchnorm, remat=remat, lora=lora)
+    variables = NnxVariables(model, sync_batchnorm=sync_batchnorm, remat=remat, lora=lora)
+    variables.attention = attention
+    return variables
   raise TypeError(f"build_model returned {model!r}; expected a flax.linen Module or a "
                   f"factory `rngs -> nnx.Module`.")
 
@@ -225,6 +247,7 @@ class LinenVariables(ModelVariables):
       kwargs.setdefault(name, _mode_value(name, train))
     return _with_mode_fields(self._with_lora(args, kwargs), train), args, kwargs
 
+  @_under_attention
   def init(self, rngs: Rngs, inputs: Inputs) -> tuple[PyTree, PyTree]:
     module, args, kwargs = self._in_mode(inputs, train=False)
     seen: set[str] = set()
@@ -257,6 +280,7 @@ class LinenVariables(ModelVariables):
       params = merge_adapters(nn.meta.unbox(params), self._lora)
     return module, args, kwargs, params
 
+  @_under_attention
   def decode(self, params, model_state, cache, inputs, *, rngs, length):
     from models import kv_cache
     module, args, kwargs, params = self._for_call(params, inputs, train=False)
@@ -271,6 +295,7 @@ class LinenVariables(ModelVariables):
           f"models.transformer and models.gpt2 do).")
     return outputs, updated["cache"]
 
+  @_under_attention
   def apply(self, params, model_state, inputs, *, rngs, train, require_batch_axis=False):
     module, args, kwargs, params = self._for_call(params, inputs, train)
     variables = {"params": params, **model_state}
@@ -415,6 +440,7 @@ class NnxVariables(ModelVariables):
     rest = nnx.state(model, _NNX_MODEL_STATE)
     return _boxed_tree(params), nnx.to_pure_dict(rest)
 
+  @_under_attention
   def init(self, rngs: Rngs, inputs: Inputs) -> tuple[PyTree, PyTree]:
     model = self._build(rngs)
     if self._remat and self._remat.modules:
@@ -426,6 +452,7 @@ class NnxVariables(ModelVariables):
                                  dict(rngs)["params"])
     return params, model_state
 
+  @_under_attention
   def decode(self, params, model_state, cache, inputs, *, rngs, length):
     model = self._with_values(params, model_state, rngs, train=False)
     init_cache = getattr(model, "init_cache", None)
@@ -459,6 +486,7 @@ class NnxVariables(ModelVariables):
     return nnx.view(model, deterministic=not train, use_running_average=not train,
                     raise_if_not_found=False)
 
+  @_under_attention
   def apply(self, params, model_state, inputs, *, rngs, train, require_batch_axis=False):
     model = self._with_values(params, model_state, rngs, train=train)
     if train and require_batch_axis:
