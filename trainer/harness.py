@@ -292,6 +292,9 @@ class HarnessEval(Action):
                prompts: Sequence[str] = (), max_new_tokens: int = 32, batch_size: int = 8,
                builtin_tasks: bool = True):
     super().__init__(every_steps=every_steps)
+    if jax.process_count() > 1:  # Refused before training, not at the first evaluation.
+      raise ValueError(f"HarnessEval runs on one process; this run has "
+                       f"jax.process_count()={jax.process_count()}.")
     self.trainer, self.writer = trainer, writer
     self.tasks, self.limit = list(tasks), limit
     self.manager = task_manager(include_path, builtin=builtin_tasks)
