@@ -48,7 +48,7 @@ def main():
   import numpy as np
 
   from configs import lm
-  from trainer.generation import Generator, Sampling
+  from trainer.generation import Generator, Sampling, logits_of
   from trainer.language_model import LanguageModelTrainer
 
   config = lm.get_config("data_parallel")
@@ -72,7 +72,7 @@ def main():
   def next_logits(params, model_state, window, position):
     logits, _ = mv.apply(params, model_state, ((window,), {}),
                          rngs={"params": jax.random.PRNGKey(0)}, train=False)
-    logits = getattr(logits, "logits", logits)[..., :vocab]
+    logits = logits_of(logits)[..., :vocab]
     return jnp.take_along_axis(logits, position[:, None, None], axis=1)[:, 0]
 
   def recompute(steps):

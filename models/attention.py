@@ -40,10 +40,8 @@ layout that holds the sequence in another order.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import dataclasses
 import math
-from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
@@ -53,6 +51,7 @@ from jax.sharding import PartitionSpec
 
 from strategies import context as context_lib
 from strategies.context import ContextError
+from strategies.tracing import Steering
 
 __all__ = ["attention", "cached_attention", "sequence_positions", "ContextError", "Method",
            "using"]
@@ -69,7 +68,7 @@ class Method:
     name: `plain` (every query's scores against every key at once: `[length, length]`
       per head) or `blockwise` (FlashAttention's schedule in XLA: blocks of `block_size`
       queries against blocks of keys with an online softmax, and a backward pass that
-      recomputes each block's scores from the saved log-sum-exp; memory linear in the
+      recomputes each query block and each block pair's scores; memory linear in the
       length).
     block_size: the queries and keys of one block (`blockwise`).
   """
@@ -93,26 +92,17 @@ class Method:
     return method
 
 
-_METHOD: contextvars.ContextVar[Method | None] = contextvars.ContextVar("attention_method",
-                                                                       default=None)
+_METHOD = Steering("attention_method")
 
 
-@contextlib.contextmanager
-def using(method: Method | None) -> Iterator[None]:
+def using(method: Method | None) -> contextlib.AbstractContextManager:
   """Attention traced inside runs by `method` (None: as it is); the previous one on exit."""
-  if method is None:
-    yield
-    return
-  token = _METHOD.set(method)
-  try:
-    yield
-  finally:
-    _METHOD.reset(token)
+  return contextlib.nullcontext() if method is None else _METHOD.active(method)
 
 
 def current_method() -> Method:
   """The method attention traced now runs by (`using`; plain by default)."""
-  return _METHOD.get() or Method()
+  return _METHOD.current() or Method()
 
 
 def _order(length: int) -> np.ndarray:
@@ -207,6 +197,18 @@ class _Block:
     return m_new, total, acc
 
 
+def _groups(heads: int, kv_heads: int) -> int:
+  """The query heads per key/value head (grouped-query attention).
+
+  Raises:
+    ValueError: `heads` is not a multiple of `kv_heads`.
+  """
+  if heads % kv_heads:
+    raise ValueError(f"attention: {heads} query heads are not a multiple of {kv_heads} "
+                     f"key/value heads.")
+  return heads // kv_heads
+
+
 def _start(b, kv, g, lq, d):
   return (jnp.full((b, kv, g, lq), -jnp.inf, jnp.float32), jnp.zeros((b, kv, g, lq), jnp.float32),
           jnp.zeros((b, kv, g, lq, d), jnp.float32))
@@ -244,10 +246,7 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
       tokens' places) or a length that does not split into the layout's chunks.
   """
   b, length, heads, d = q.shape
-  kv_heads = k.shape[2]
-  if heads % kv_heads:
-    raise ValueError(f"attention: {heads} query heads are not a multiple of {kv_heads} "
-                     f"key/value heads.")
+  _groups(heads, k.shape[2])
   plan = context_lib.current()
   context_lib.record_call(plan.method if plan else current_method().name)
   dropout = dropout_rate > 0.0 and not deterministic
@@ -262,9 +261,7 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
   if plan is None:
     method = current_method()
     if method.name == "blockwise" and mask is None:  # A mask array is [length, length].
-      static = (causal, window, block.scale, block.rate, heads, length)
-      return _blockwise(static, min(method.block_size, length), dropout, q, k, v,
-                        segment_ids, jnp.stack(seed).astype(jnp.uint32))
+      return _blockwise(block, min(method.block_size, length), dropout, q, k, v, segment_ids)
     return _plain(block, q, k, v, segment_ids, mask, dropout)
   if mask is not None:
     raise ContextError(
@@ -299,10 +296,7 @@ def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Ar
         f"under a layout without a {plan.axis!r} axis.")
   b, lq, heads, d = q.shape
   kv = k.shape[2]
-  if heads % kv:
-    raise ValueError(f"attention: {heads} query heads are not a multiple of {kv} "
-                     f"key/value heads.")
-  g = heads // kv
+  g = _groups(heads, kv)
   slots = jnp.arange(k.shape[1], dtype=jnp.int32)
   distance = positions[:, :, None] - slots[None, None, :]
   allowed = distance >= 0
@@ -343,7 +337,7 @@ def _pad_to(x: jax.Array, length: int, axis: int, value=0) -> jax.Array:
   return jnp.pad(x, widths, constant_values=value)
 
 
-def _blockwise_setup(block: _Block, q, k, v, segment_ids, size):
+def _blockwise_setup(q, k, v, segment_ids, size):
   """The padded, blocked operands: q `[nq, b, bq, kv, g, d]`, k/v `[nk, b, bk, kv, d]`,
   segments and positions per block."""
   b, length, heads, d = q.shape
@@ -362,16 +356,15 @@ def _blockwise_setup(block: _Block, q, k, v, segment_ids, size):
   return qb, kb, vb, segb, indexb
 
 
-def _blockwise(static: tuple, size: int, dropout: bool, q, k, v, segment_ids, seed):
+def _blockwise(block: _Block, size: int, dropout: bool, q, k, v, segment_ids):
   """Attention by blocks of `size` queries against blocks of `size` keys with an online
   softmax (`_Block.update`, the ring's per-block step too), blocks that the causal mask or
   the window covers skipped. Each query block's computation is rematerialised in the
   backward pass and each block pair's scores within it, so what autodiff keeps is linear
   in the length: a query block's inputs, and while one is differentiated, its running
   sums per key block."""
-  block = _block_of(static, seed)
   b, length, heads, d = q.shape
-  qb, kb, vb, segb, indexb = _blockwise_setup(block, q, k, v, segment_ids, size)
+  qb, kb, vb, segb, indexb = _blockwise_setup(q, k, v, segment_ids, size)
   kv, g = qb.shape[3], qb.shape[4]
   drop = (jnp.arange(b), jnp.arange(heads)) if dropout else None
   update = jax.checkpoint(block.update)
@@ -396,12 +389,6 @@ def _blockwise(static: tuple, size: int, dropout: bool, q, k, v, segment_ids, se
   _, out = jax.lax.scan(body, None, (qb, segb, indexb))
   n = out.shape[0]
   return out.transpose(1, 0, 2, 3, 4).reshape(b, n * size, heads, d)[:, :length]
-
-
-def _block_of(static: tuple, seed: jax.Array) -> _Block:
-  causal, window, scale, rate, total_heads, length = static
-  return _Block(causal=causal, window=window, scale=scale, rate=rate, seed=(seed[0], seed[1]),
-                total_heads=total_heads, length=length)
 
 
 def _linear_index(axes: tuple[str, ...]) -> jax.Array:

@@ -35,8 +35,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import threading
-from collections.abc import Iterator
 from typing import Any
 
 import flax.linen as nn
@@ -45,6 +43,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.attention import cached_attention
+from strategies.tracing import Steering
 
 #: The logical name of the cache's slot axis (no rule maps it: each device holds every slot).
 CACHE_LENGTH = "cache_length"
@@ -57,26 +56,20 @@ class Decoding:
   length: int
 
 
-_state = threading.local()
+_DECODING = Steering("kv_cache_decoding")
 
 
-@contextlib.contextmanager
-def decoding(length: int) -> Iterator[Decoding]:
+def decoding(length: int) -> contextlib.AbstractContextManager:
   """Linen models' attention layers use (and make, on the first call) a cache of `length`
   slots while this is active (a trace-time setting, like `strategies.context.active`)."""
   if length < 1:
     raise ValueError(f"kv_cache.decoding: length={length} must be >= 1.")
-  previous = getattr(_state, "current", None)
-  _state.current = Decoding(length)
-  try:
-    yield _state.current
-  finally:
-    _state.current = previous
+  return _DECODING.active(Decoding(length))
 
 
 def current() -> Decoding | None:
   """The active `decoding` setting, or None (the model computes its whole input)."""
-  return getattr(_state, "current", None)
+  return _DECODING.current()
 
 
 def _names(heads_name: str) -> tuple[str, ...]:

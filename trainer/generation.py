@@ -100,20 +100,15 @@ def cache_bytes(trainer, abstract_state: PyTree, rows: int, slots: int) -> tuple
   cache = jax.eval_shape(lambda state, tokens: mv.decode(
       state.params, state.model_state, None, ((tokens,), {"positions": tokens}), rngs=rngs,
       length=slots)[1], abstract_state, tokens)
-  rules, mesh = getattr(strategy, "rules", None), getattr(strategy, "mesh", None)
   total = per_device = 0
   for _, _, size, names, _ in layout.annotations(cache):
     total += size
-    if rules is None or mesh is None:
-      per_device += size
-      continue
-    spec = layout.resolve(names, rules, mesh.axis_names)
-    pieces = [math.prod(mesh.shape[a] for a in layout.axis_names(entry)) for entry in spec]
-    per_device += size // max(math.prod(pieces), 1) if pieces else size
+    per_device += size // math.prod(strategy.shards_of(name) for name in names if name)
   return total, per_device
 
 
-def _logits_of(outputs: Any) -> jax.Array:
+def logits_of(outputs: Any) -> jax.Array:
+  """A model's logits: its output, or the output's `logits` field (`models.moe.MoeOutput`)."""
   return getattr(outputs, "logits", outputs)
 
 
@@ -262,7 +257,7 @@ class Generator:
         outputs, cache = mv.decode(state.params, state.model_state, cache,
                                    ((inputs,), {"positions": positions}), rngs=rngs,
                                    length=slots)
-        return _logits_of(outputs), cache
+        return logits_of(outputs), cache
 
       positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (rows, length))
       logits, cache = call(None, tokens, positions)

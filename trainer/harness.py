@@ -45,7 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from strategies.tree import to_host
-from trainer.generation import Generator, Sampling
+from trainer.generation import Generator, Sampling, logits_of
 from trainer.loop.actions import Action
 
 try:
@@ -64,26 +64,33 @@ def _require_lm_eval():
                       "'.[eval]' (or pip install lm-eval).") from None
 
 
-class Scorer:
-  """Log-likelihoods of token continuations under a state, one compiled program per row
-  count (rows of the model's `max_len` positions)."""
+def _one_process(what: str) -> None:
+  if jax.process_count() > 1:
+    raise ValueError(f"{what} runs on one process; this run has "
+                     f"jax.process_count()={jax.process_count()}.")
 
-  def __init__(self, trainer, state, *, rows: int = 8):
-    self.trainer, self.state = trainer, state
+
+class Scorer:
+  """Log-likelihoods of token continuations under a state: one program, compiled by the
+  trainer's strategy on the first call and reused for every later state of that layout
+  (rows of the model's `max_len` positions)."""
+
+  def __init__(self, trainer, *, rows: int = 8):
+    self.trainer = trainer
     self.max_len = trainer.config.model.max_len
     self.vocab_size = trainer.config.model.vocab_size
     multiple = trainer.strategy.batch_multiple
     self.rows = math.ceil(rows / multiple) * multiple
     self._program = None
 
-  def _compile(self):
+  def _compile(self, state):
     mv, vocab = self.trainer.model_variables, self.vocab_size
 
     def score(state, batch):
       outputs, _ = mv.apply(state.params, state.model_state, ((batch["inputs"],), {}),
                             rngs={"params": jax.random.PRNGKey(0),
                                   "dropout": jax.random.PRNGKey(0)}, train=False)
-      logits = getattr(outputs, "logits", outputs).astype(jnp.float32)
+      logits = logits_of(outputs).astype(jnp.float32)
       if vocab is not None:
         logits = logits[..., :vocab]
       log_probs = jax.nn.log_softmax(logits, axis=-1)
@@ -92,12 +99,14 @@ class Scorer:
       greedy = (jnp.argmax(logits, axis=-1) == batch["targets"]) | (weights == 0)
       return (picked * weights).sum(axis=1), jnp.all(greedy, axis=1)
 
-    return self.trainer.strategy.compile_eval_step(score, self.state)
+    return self.trainer.strategy.compile_eval_step(score, state)
 
-  def __call__(self, pairs: Sequence[tuple[list[int], list[int]]]) -> list[tuple[float, bool]]:
-    """`(log P(continuation | context), greedy)` for each `(context, continuation)` of ids."""
+  def __call__(self, state, pairs: Sequence[tuple[list[int], list[int]]]
+               ) -> list[tuple[float, bool]]:
+    """`(log P(continuation | context), greedy)` under `state` for each `(context,
+    continuation)` of ids."""
     if self._program is None:
-      self._program = self._compile()
+      self._program = self._compile(state)
     out: list[tuple[float, bool]] = []
     for start in range(0, len(pairs), self.rows):
       chunk = pairs[start:start + self.rows]
@@ -114,7 +123,7 @@ class Scorer:
       strategy = self.trainer.strategy
       batch = strategy.put_batch(strategy.local_rows(
           dict(inputs=inputs, targets=targets, weights=weights)))
-      sums, greedy = to_host(self._program(self.state, batch))
+      sums, greedy = to_host(self._program(state, batch))
       out += [(float(sums[i]), bool(greedy[i])) for i in range(len(chunk))]
     return out
 
@@ -124,7 +133,8 @@ class HarnessLM(_TemplateLM):
 
   Args:
     trainer: the run's `LanguageModelTrainer` (its model, strategy and `config.model`).
-    state: a train state as the trainer holds it.
+    state: a train state as the trainer holds it; `state` may be replaced by a later one of
+      the same layout (the compiled programs are kept).
     tokenizer: a `trainer.data.corpus.Tokenizer`, or a path to one (a `tokenizer.json`
       or a model directory).
     batch_size: rows scored per program call (rounded up to the strategy's multiple).
@@ -135,15 +145,13 @@ class HarnessLM(_TemplateLM):
   def __init__(self, trainer, state, tokenizer, *, batch_size: int = 8):
     _require_lm_eval()
     super().__init__()
-    if jax.process_count() > 1:
-      raise ValueError(f"trainer.harness runs on one process; this run has "
-                       f"jax.process_count()={jax.process_count()}.")
+    _one_process("trainer.harness")
     from trainer.data.corpus import Tokenizer
     if isinstance(tokenizer, str):
       tokenizer = Tokenizer(tokenizer, add_eos=False)
     self.tok = tokenizer
     self.trainer, self.state = trainer, state
-    self.scorer = Scorer(trainer, state, rows=batch_size)
+    self.scorer = Scorer(trainer, rows=batch_size)
     self.generator = Generator.from_trainer(trainer)
     self.max_len = trainer.config.model.max_len
 
@@ -172,7 +180,8 @@ class HarnessLM(_TemplateLM):
     return self.tok.tokenizer.decode(list(ids), skip_special_tokens=True)
 
   def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs):
-    return self.scorer([(context, continuation) for _, context, continuation in requests])
+    return self.scorer(self.state,
+                       [(context, continuation) for _, context, continuation in requests])
 
   def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
     from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
@@ -186,7 +195,7 @@ class HarnessLM(_TemplateLM):
         pairs.append(window)
         owners.append(i)
     totals = [0.0] * len(requests)
-    for owner, (logprob, _) in zip(owners, self.scorer(pairs), strict=True):
+    for owner, (logprob, _) in zip(owners, self.scorer(self.state, pairs), strict=True):
       totals[owner] += logprob
     return totals
 
@@ -269,19 +278,14 @@ def scalar_metrics(results: dict) -> dict[str, float]:
   return out
 
 
-@dataclasses.dataclass
-class _Prompted:
-  prompts: tuple[str, ...] = ()
-  max_new_tokens: int = 32
-
-
 class HarnessEval(Action):
   """Runs harness tasks on the training state every `every_steps` (and at the last step),
   writing each task's metrics to `writer` as `harness/<task>/<metric>`, and the greedy
   continuations of `prompts` as text (`harness/generations`).
 
   The state stays in the training layout: scoring and generation compile through the
-  trainer's strategy, nothing is gathered to one device.
+  trainer's strategy, nothing is gathered to one device. One `HarnessLM` serves every run,
+  each with that step's state, so its programs compile once.
   """
 
   reads_state = True
@@ -292,31 +296,31 @@ class HarnessEval(Action):
                prompts: Sequence[str] = (), max_new_tokens: int = 32, batch_size: int = 8,
                builtin_tasks: bool = True):
     super().__init__(every_steps=every_steps)
-    if jax.process_count() > 1:  # Refused before training, not at the first evaluation.
-      raise ValueError(f"HarnessEval runs on one process; this run has "
-                       f"jax.process_count()={jax.process_count()}.")
+    _one_process("HarnessEval")  # Refused before training, not at the first evaluation.
     self.trainer, self.writer = trainer, writer
     self.tasks, self.limit = list(tasks), limit
     self.manager = task_manager(include_path, builtin=builtin_tasks)
     check_tasks(self.tasks, self.manager)  # Before training starts.
     self.tokenizer, self.batch_size = tokenizer, batch_size
-    self.prompted = _Prompted(tuple(prompts), max_new_tokens)
-    self.last_results: dict | None = None
+    self.prompts, self.max_new_tokens = tuple(prompts), max_new_tokens
+    self._lm: HarnessLM | None = None
 
   def triggers(self, view) -> bool:
     return bool(view.crossed(self.every_steps)) or view.is_last
 
   def run(self, view) -> None:
-    lm = HarnessLM.from_trainer(self.trainer, view.state, self.tokenizer,
-                                batch_size=self.batch_size)
+    if self._lm is None:
+      self._lm = HarnessLM.from_trainer(self.trainer, view.state, self.tokenizer,
+                                        batch_size=self.batch_size)
+    lm = self._lm
+    lm.state = view.state
     results = evaluate(lm, self.tasks, limit=self.limit, manager=self.manager)
-    self.last_results = results
     self.writer.write_scalars(view.step, scalar_metrics(results))
-    if self.prompted.prompts:
-      texts = lm.generate_until([_Request((p, {"max_gen_toks": self.prompted.max_new_tokens}))
-                                 for p in self.prompted.prompts])
+    if self.prompts:
+      texts = lm.generate_until([_Request((p, {"max_gen_toks": self.max_new_tokens}))
+                                 for p in self.prompts])
       self.writer.write_texts(view.step, {"harness/generations": "\n\n".join(
-          f"{p!r} -> {t!r}" for p, t in zip(self.prompted.prompts, texts, strict=True))})
+          f"{p!r} -> {t!r}" for p, t in zip(self.prompts, texts, strict=True))})
 
 
 @dataclasses.dataclass

@@ -313,6 +313,19 @@ def jit_counterpart(config) -> str:
           f"(the same state per device; the program is jit's)")
 
 
+def _sizes(flag: str, text: str, accepted: str) -> tuple[int, ...]:
+  """Sizes joined by x (`--mesh=2x4`, `--generate=8x512`).
+
+  Raises:
+    app.UsageError: naming the flag, its value and `accepted`.
+  """
+  from absl import app
+  try:
+    return tuple(int(n) for n in text.lower().split("x"))
+  except ValueError:
+    raise app.UsageError(f"--{flag}={text!r} must be {accepted}.") from None
+
+
 def main(argv) -> None:
   from absl import app, flags
 
@@ -322,10 +335,7 @@ def main(argv) -> None:
   devices_count = FLAGS.devices
   mesh = FLAGS.mesh
   if mesh:
-    try:
-      shape = tuple(int(n) for n in mesh.lower().split("x"))
-    except ValueError:
-      raise app.UsageError(f"--mesh={mesh!r} must be sizes joined by x, e.g. 2x4.") from None
+    shape = _sizes("mesh", mesh, "sizes joined by x, e.g. 2x4")
     if len(shape) != len(config.strategy.mesh_axes):
       raise app.UsageError(f"--mesh={mesh!r} has {len(shape)} axes; the config's mesh axes are "
                            f"{tuple(config.strategy.mesh_axes)}.")
@@ -334,14 +344,11 @@ def main(argv) -> None:
   memory = device_memory_bytes(FLAGS.device, FLAGS.memory_gib)
   generate = None
   if FLAGS.generate:
-    try:
-      generate = tuple(int(n) for n in FLAGS.generate.lower().split("x"))
-      if len(generate) != 2 or min(generate) < 1:
-        raise ValueError
-    except ValueError:
-      raise app.UsageError(f"--generate={FLAGS.generate!r} must be ROWSxPOSITIONS, e.g. "
-                           f"8x512 (prompts, and the longest prompt plus the new tokens)."
-                           ) from None
+    accepted = ("ROWSxPOSITIONS, e.g. 8x512 (prompts, and the longest prompt plus the new "
+                "tokens)")
+    generate = _sizes("generate", FLAGS.generate, accepted)
+    if len(generate) != 2 or min(generate) < 1:
+      raise app.UsageError(f"--generate={FLAGS.generate!r} must be {accepted}.")
   spec = FLAGS.trainer or config.trainer
   if not spec:
     raise app.UsageError("the config names no Trainer (config.trainer is empty): pass "

@@ -168,9 +168,8 @@ def create(model: Any, *, sync_batchnorm: bool = False,
       ensemble member would share them) or something that is not a model.
   """
   if isinstance(model, nn.Module):
-    variables = LinenVariables(model, sync_batchnorm=sync_batchnorm, remat=remat, lora=lora)
-    variables.attention = attention
-    return variables
+    return LinenVariables(model, sync_batchnorm=sync_batchnorm, remat=remat, lora=lora,
+                          attention=attention)
   if isinstance(model, nnx.Module):
     raise TypeError(
         f"build_model returned an nnx.Module instance ({type(model).__name__}); return its "
@@ -179,9 +178,8 @@ def create(model: Any, *, sync_batchnorm: bool = False,
         f"every seed and ensemble member gets its own parameters, created where the "
         f"strategy places them.")
   if callable(model):
-    variables = NnxVariables(model, sync_batchnorm=sync_batchnorm, remat=remat, lora=lora)
-    variables.attention = attention
-    return variables
+    return NnxVariables(model, sync_batchnorm=sync_batchnorm, remat=remat, lora=lora,
+                        attention=attention)
   raise TypeError(f"build_model returned {model!r}; expected a flax.linen Module or a "
                   f"factory `rngs -> nnx.Module`.")
 
@@ -201,8 +199,9 @@ class LinenVariables(ModelVariables):
   """A `flax.linen.Module`: `params` plus its other collections as `model_state`."""
 
   def __init__(self, module: nn.Module, *, sync_batchnorm: bool = False,
-               remat: Remat | None = None, lora: Lora | None = None):
+               remat: Remat | None = None, lora: Lora | None = None, attention: Any = None):
     self._module = module
+    self.attention = attention
     self._sync_batchnorm = sync_batchnorm
     self._remat = remat
     self._lora = lora
@@ -396,8 +395,9 @@ class NnxVariables(ModelVariables):
   linen = False
 
   def __init__(self, factory: Callable[..., nnx.Module], *, sync_batchnorm: bool = False,
-               remat: Remat | None = None, lora: Lora | None = None):
+               remat: Remat | None = None, lora: Lora | None = None, attention: Any = None):
     self._factory = factory
+    self.attention = attention
     self._sync_batchnorm = sync_batchnorm
     self._remat = remat
     self._lora = lora  # Folded into the weights (`trainer.step.lora.merge_adapters`).
