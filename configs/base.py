@@ -114,6 +114,13 @@ def get_config() -> ml_collections.ConfigDict:
   config.lora.rank = 0
   config.lora.alpha = 16.0
   config.lora.targets = ()
+  # QLoRA (trainer/step/quantized_base.py, Qwix's quantized arrays): the frozen base weights
+  # the `quantize` regexes match (default: every kernel but an output head's) stored as
+  # `base_dtype` ('': their own dtype; 'nf4' or 'int8'), one scale per `block_size` values
+  # of a weight's last input axis for each output.
+  config.lora.base_dtype = ""
+  config.lora.block_size = 64
+  config.lora.quantize = (r"(?!(.*/)?(lm_head|head|logits)/).*kernel",)
   # A mixture of experts' router losses (models/moe.py; a model whose output is
   # `MoeOutput`): weights of the load-balancing loss (Switch/Mixtral form, `top_k` when
   # balanced) and of the router z-loss, both added to every example's loss and logged.

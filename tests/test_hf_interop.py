@@ -106,16 +106,22 @@ def test_the_pipeline_runs_the_loaded_blocks(hf_models, family):
                                                ("llama", "data_tensor", False),
                                                ("gpt2", "data_tensor", True),
                                                ("llama", "data_tensor", True),
-                                               ("llama", "pipeline_tensor", True)])
+                                               ("llama", "pipeline_tensor", True),
+                                               ("llama", "data_tensor", "nf4"),
+                                               ("gpt2", "data_tensor", "int8")])
 def test_finetune_then_export_loads_in_transformers(hf_models, family, layout, lora, tmp_path):
   """LoRA: the export merges the adapters into the weights transformers reads (Qwix's for
   GPT-2; folded into the weights for the NNX Llama, and under a pipeline); the targets are
-  configs/finetune_lm.py:lora's, which name both families' kernels."""
+  configs/finetune_lm.py:lora's, which name both families' kernels. QLoRA (`nf4`, `int8`):
+  the base is quantized as it is loaded, and the export writes the dequantized base with
+  the merged adapters."""
   path, reference, names = hf_models[family]
   config = _config(path, layout, learning_rate=1e-2)
   if lora:
     from configs import finetune_lm
     config.lora.update(rank=4, alpha=8.0, targets=finetune_lm.get_config("lora").lora.targets)
+  if isinstance(lora, str):
+    config.lora.update(base_dtype=lora, block_size=4)
   trainer = LanguageModelTrainer(config)
   workdir = str(tmp_path / "run")
   checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), every_steps=0,
@@ -134,6 +140,42 @@ def test_finetune_then_export_loads_in_transformers(hf_models, family, layout, l
   exported = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
   assert type(exported).__name__ == families.get(family).architecture
   np.testing.assert_allclose(_hf_logits(exported), ours, atol=ATOL, rtol=0)
+
+
+def test_a_quantized_base_is_loaded_a_shard_at_a_time_as_it_would_be_whole(hf_models):
+  """QLoRA from an HF checkpoint under data x tensor: each device quantizes the blocks that
+  cover its shard of each weight as it reads them (down_proj's input axis, and with it its
+  blocks, is split over `model`); the codes and scales equal Qwix quantizing the loaded
+  weight whole."""
+  import flax.linen as nn
+  import qwix
+
+  from configs import finetune_lm
+  from trainer.checkpoint.init_from import _flatten
+
+  path, _, _ = hf_models["llama"]
+  states, placed = {}, None
+  for base_dtype in ("", "nf4"):
+    config = _config(path, "data_tensor")
+    config.lora.update(rank=4, alpha=8.0, targets=finetune_lm.get_config("lora").lora.targets,
+                       base_dtype=base_dtype, block_size=4)
+    trainer = LanguageModelTrainer(config)
+    placed = trainer.init_state(_batch())
+    states[base_dtype] = trainer.strategy.to_canonical(placed)
+  down = placed.params["blocks"]["layers"]["mlp"]["down_proj"]["kernel"].array
+  assert nn.meta.unbox(down.qvalue).sharding.spec[1] == "model"  # [layer, mlp, embed].
+  loaded = {p: np.asarray(x) for p, x in _flatten(nn.meta.unbox(states[""].params)).items()}
+  ours = {p: np.asarray(x) for p, x in _flatten(nn.meta.unbox(states["nf4"].params)).items()}
+  weights = sorted(p[:-len("/array/qvalue")] for p in ours if p.endswith("/array/qvalue"))
+  assert len(weights) == 7
+  for weight in weights:
+    codes, scale = ours[weight + "/array/qvalue"], ours[weight + "/array/scale"]
+    tiles = {a: n // k for a, (n, k) in enumerate(zip(codes.shape, scale.shape, strict=True))}
+    whole = qwix.quantize(loaded[weight], "nf4",
+                          channelwise_axes=[a for a, t in tiles.items() if t == 1],
+                          tiled_axes={a: t for a, t in tiles.items() if 1 < t < codes.shape[a]})
+    np.testing.assert_array_equal(np.asarray(whole.qvalue).view(np.uint8), codes.view(np.uint8))
+    np.testing.assert_array_equal(np.asarray(whole.scale), scale)
 
 
 def test_ensemble_member_exports(hf_models, tmp_path):

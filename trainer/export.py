@@ -63,7 +63,7 @@ def export_checkpoint(workdir: str, out: str, *, step: int = -1, member: int = -
 
   from trainer.checkpoint import init_from
   from trainer.interop import families, hf
-  from trainer.step import lora
+  from trainer.step import lora, quantized_base
 
   model = dict(config["model"])
   family = families.get(model.get("family", "transformer"), field="config.model.family")
@@ -79,7 +79,10 @@ def export_checkpoint(workdir: str, out: str, *, step: int = -1, member: int = -
   values = source.read({"params": paths})["params"]
   if source.num_members:
     values = {p: np.asarray(x[member]) for p, x in values.items()}
-  values = lora.merged(values, dict(config["lora"]) if "lora" in config else {})
+  spec = dict(config["lora"]) if "lora" in config else {}
+  if spec.get("base_dtype"):  # QLoRA: the dequantized base, then the merged adapters.
+    values = quantized_base.dequantized_values(values, spec["base_dtype"])
+  values = lora.merged(values, spec)
   return hf.export(values, model, out, dtype=dtype)
 
 

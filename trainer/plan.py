@@ -40,7 +40,10 @@ import re
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+
+from trainer.step.quantized_base import bits_of, is_quantized
 
 PyTree = Any
 #: The collective ops of an optimised HLO module, as `make_plan` counts them.
@@ -85,6 +88,9 @@ class Plan:
   #: `(rows, slots, bytes in all, bytes per device)` of a generation's key/value cache
   #: (`--generate`), or None.
   generation: tuple[int, int, int, int] | None = None
+  #: `(weights, bytes per device, their bytes per device in bf16)` of a QLoRA run's quantized
+  #: base (`config.lora.base_dtype`: codes and scales), or None.
+  quantized: tuple[int, int, int] | None = None
 
   @property
   def peak_bytes(self) -> int:
@@ -111,6 +117,12 @@ class Plan:
             f"{n} x{c} ({mib(self.collective_bytes.get(n, 0))})"
             for n, c in self.collectives.items()) or "none"),
         "  largest parameters:"]
+    if self.quantized:
+      count, held, bf16 = self.quantized
+      whole = self.params_bytes - held + bf16
+      lines.insert(2, f"  quantized base    {mib(held)} ({count} weights: codes and scales), "
+                   f"{held / bf16:.3f}x their {mib(bf16)} in bf16; all parameters "
+                   f"{self.params_bytes / whole:.3f}x theirs with the base in bf16")
     if self.generation:
       rows, slots, total, per_device = self.generation
       lines.insert(len(lines) - 1, f"  generation cache  {mib(per_device)} ({rows} rows x "
@@ -132,11 +144,24 @@ def shard_bytes(x: Any) -> int:
   sharding = getattr(x, "sharding", None)
   if sharding is not None:
     shape = tuple(sharding.shard_shape(shape))
-  return math.prod(shape) * np.dtype(x.dtype).itemsize
+  return -(-math.prod(shape) * bits_of(x.dtype) // 8)  # 4-bit values at half a byte.
 
 
 def _sum(tree: PyTree) -> int:
   return sum(shard_bytes(x) for x in jax.tree.leaves(tree) if hasattr(x, "shape"))
+
+
+def _quantized_bytes(params: PyTree) -> tuple[int, int, int] | None:
+  """(count, bytes per device, bf16 bytes per device) of the quantized weights in `params`."""
+  weights = [x for x in jax.tree.leaves(params, is_leaf=is_quantized) if is_quantized(x)]
+  if not weights:
+    return None
+  held = sum(_sum(w) for w in weights)
+  codes = [jax.tree.leaves(w.array.qvalue)[0] for w in weights]
+  bf16 = sum(shard_bytes(jax.ShapeDtypeStruct(c.shape, jnp.bfloat16,
+                                              sharding=getattr(c, "sharding", None)))
+             for c in codes)
+  return len(weights), held, bf16
 
 
 def count_collectives(hlo: str) -> dict[str, int]:
@@ -206,7 +231,8 @@ def make_plan(trainer: Any, example_batch: dict[str, np.ndarray], *,
     from trainer.generation import cache_bytes
     generation = (*generate, *cache_bytes(trainer, abstract, *generate))
   return Plan(
-      generation=generation, strategy=strategy.describe(), num_devices=strategy.num_devices,
+      quantized=_quantized_bytes(abstract.params), generation=generation,
+      strategy=strategy.describe(), num_devices=strategy.num_devices,
       params_bytes=params_bytes, opt_state_bytes=opt_bytes,
       other_state_bytes=_sum(abstract) - params_bytes - opt_bytes,
       argument_bytes=int(memory.argument_size_in_bytes),

@@ -70,11 +70,25 @@ def _flatten(tree: PyTree) -> dict[str, Any]:
   return {_name(path): leaf for path, leaf in jax.tree_util.tree_leaves_with_path(tree)}
 
 
+def _as_weights(tree: PyTree) -> dict[str, Any]:
+  """`_flatten`, with each quantized weight (QLoRA's base, `trainer.step.quantized_base`)
+  one entry: its path, its shape and its scale's dtype, what a source's weight maps to."""
+  from trainer.step.quantized_base import is_quantized
+
+  out = {}
+  for path, leaf in jax.tree_util.tree_leaves_with_path(tree, is_leaf=is_quantized):
+    if is_quantized(leaf):
+      codes, scale = (jax.tree.leaves(x)[0] for x in (leaf.array.qvalue, leaf.array.scale))
+      leaf = jax.ShapeDtypeStruct(codes.shape, scale.dtype)
+    out[_name(path)] = leaf
+  return out
+
+
 def variables_by_collection(params: PyTree, model_state: PyTree, *,
                             linen: bool) -> Flat:
   """`params` and the model state as collections of flat paths: a Linen model's state is
   keyed by collection (`batch_stats`), an NNX model's is one `model_state` collection."""
-  out = {"params": _flatten(params)}
+  out = {"params": _as_weights(params)}
   if linen:
     for name, tree in dict(model_state or {}).items():
       out[name] = _flatten(tree)
@@ -430,6 +444,8 @@ def start_from(plan_: Plan, strategy: Any, state: PyTree, abstract_state: PyTree
     rebuild: `(params, model_state, rng) -> a fresh state of one model` (the optimizer's
       and the recipe's state start again from the loaded values).
   """
+  from trainer.step.quantized_base import is_quantized, quantized_from
+
   num_members = strategy.checkpoint_layout()["num_members"]
   target = strategy.checkpoint_target(abstract_state)
   current = strategy.checkpoint_state(state)
@@ -441,13 +457,18 @@ def start_from(plan_: Plan, strategy: Any, state: PyTree, abstract_state: PyTree
   def place(collection: str, tree: PyTree, targets: PyTree) -> PyTree:
     def leaf(path, x, t):
       name = _name(path)
+      if is_quantized(x):  # Quantized here, a shard's whole blocks at a time.
+        if name not in plan_.mapped.get(collection, {}):
+          return jax.tree.map(lambda y, u: leaf(path, y, u), x, t)
+        read = _reader(plan_, collection, name, num_members=num_members, whole=whole)
+        return quantized_from(read, x, t)
       if name in plan_.mapped.get(collection, {}):
         read = _reader(plan_, collection, name, num_members=num_members, whole=whole)
         return jax.make_array_from_callback(
             t.shape, t.sharding, lambda index: np.asarray(read(index), dtype=t.dtype))
       host = to_host(x)  # A fresh variable keeps its initial value.
       return jax.make_array_from_callback(t.shape, t.sharding, lambda index: host[index])
-    return jax.tree_util.tree_map_with_path(leaf, tree, targets)
+    return jax.tree_util.tree_map_with_path(leaf, tree, targets, is_leaf=is_quantized)
 
   params = place("params", current.params, target.params)
   if linen:

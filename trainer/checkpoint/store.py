@@ -50,6 +50,7 @@ from trainer.checkpoint.checks import (  # noqa: F401 -- this module's names bef
   quiet_orbax_info,
 )
 from trainer.distributed.agree import any_process
+from trainer.step.quantized_base import packed_for_saving, packed_target, unpacked
 
 PyTree = Any
 
@@ -255,7 +256,7 @@ class Checkpointer:
               "actions": dict(action_states or {}), "data": data_state}
     try:
       self._manager.save(step, args=ocp.args.Composite(**{
-          STATE_ITEM: ocp.args.StandardSave(serialization.to_state_dict(state)),
+          STATE_ITEM: ocp.args.StandardSave(packed_for_saving(serialization.to_state_dict(state))),
           LAYOUT_ITEM: ocp.args.JsonSave(layout),
       }), metrics=metrics, force=True)
     except Exception as e:
@@ -410,12 +411,14 @@ class Checkpointer:
         shape differs from `target`'s.
     """
     target_dict = serialization.to_state_dict(target)
+    on_disk = packed_target(target_dict)  # 4-bit codes are stored two per byte.
     saved = self.saved_arrays(step)
-    check_compatible(saved, target_dict, step=step, directory=self.step_dir(step))
+    check_compatible(saved, on_disk, step=step, directory=self.step_dir(step))
     try:
       restored = self._manager.restore(step, args=ocp.args.Composite(**{
-          STATE_ITEM: ocp.args.StandardRestore(target_dict)}))[STATE_ITEM]
+          STATE_ITEM: ocp.args.StandardRestore(on_disk)}))[STATE_ITEM]
     except Exception as e:
       raise self._read_error(step, e) from e
+    restored = unpacked(restored, target_dict)
     logging.info("Restored checkpoint step %d from %s", step, self.step_dir(step))
     return serialization.from_state_dict(target, restored)

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
-from trainer.step.stages import GradFn, StepAux
+from trainer.step.stages import GradFn, StepAux, zero_gradient
 
 PyTree = Any
 
@@ -87,7 +87,7 @@ def microbatched(grad_fn: GradFn, k: int, *, loop: str = "scan",
 
     microbatches = jax.tree.map(
         lambda x: jnp.swapaxes(x.reshape((x.shape[0] // k, k) + x.shape[1:]), 0, 1), batch)
-    init = (jax.tree.map(jnp.zeros_like, params), jnp.zeros((), jnp.float32), model_state)
+    init = (jax.tree.map(zero_gradient, params), jnp.zeros((), jnp.float32), model_state)
     (grad_sum, loss_sum, model_state), stacked = jax.lax.scan(
         accumulate, init, (constrain(microbatches, batch_dim=1), jnp.arange(k)),
         unroll=k if loop == "unroll" else 1)

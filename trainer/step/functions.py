@@ -21,7 +21,7 @@ from strategies.mesh import bind_size_one_batch_axis
 from trainer.step.errors import explaining_errors
 from trainer.step.model_variables import RngStreams
 from trainer.step.recipe import Recipe
-from trainer.step.stages import Batch, GradFn, LossFn, StepAux
+from trainer.step.stages import Batch, GradFn, LossFn, StepAux, differentiated, zero_gradient
 
 PyTree = Any
 
@@ -35,11 +35,27 @@ def batch_size_of(batch: Batch) -> int:
 
 
 def _value_and_grad(loss_fn: LossFn) -> GradFn:
+  """The loss's gradient for the parameters' inexact leaves; integer leaves (a quantized
+  base's codes, `trainer.step.quantized_base`) are constants of the loss and get zeros."""
   grad = jax.value_and_grad(loss_fn, has_aux=True)
 
   def grad_fn(params, model_state, batch, key):
-    (_, aux), grads = grad(params, model_state, batch, key)
-    return grads, aux
+    leaves, treedef = jax.tree.flatten(params)
+    inexact = [differentiated(x) for x in leaves]
+    if all(inexact):
+      (_, aux), grads = grad(params, model_state, batch, key)
+      return grads, aux
+
+    def of_inexact(values, *rest):
+      it = iter(values)
+      whole = [next(it) if f else x for x, f in zip(leaves, inexact, strict=True)]
+      return loss_fn(treedef.unflatten(whole), *rest)
+
+    (_, aux), some = jax.value_and_grad(of_inexact, has_aux=True)(
+        [x for x, f in zip(leaves, inexact, strict=True) if f], model_state, batch, key)
+    it = iter(some)
+    return treedef.unflatten([next(it) if f else zero_gradient(x)
+                              for x, f in zip(leaves, inexact, strict=True)]), aux
 
   return grad_fn
 

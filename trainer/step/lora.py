@@ -67,6 +67,8 @@ class Lora:
   #: Fold the adapters into the weights before the call (`merge_adapters`) instead of
   #: Qwix's interception: under a pipeline (NNX models always fold).
   fold: bool = False
+  #: The frozen base's storage (`config.lora.base_dtype`; None: the weights' own dtype).
+  base: Any = None
 
   @classmethod
   def from_config(cls, config: ml_collections.ConfigDict) -> Lora | None:
@@ -81,6 +83,8 @@ class Lora:
       if targets:
         raise ValueError(f"config.lora.targets={targets} but config.lora.rank=0 (LoRA off); "
                          f"set config.lora.rank to a positive integer.")
+      from trainer.step.quantized_base import BaseQuantization
+      BaseQuantization.from_config(config)  # Refuses a quantized base without adapters.
       return None
     if not isinstance(spec.rank, int) or spec.rank < 1:
       raise ValueError(f"config.lora.rank={spec.rank!r} must be a positive integer "
@@ -100,8 +104,10 @@ class Lora:
       raise ValueError(f"config.freeze={tuple(config.freeze)} with config.lora: LoRA freezes "
                        f"every weight but the adapters already; leave config.freeze empty.")
     from strategies.pipeline import STAGE_AXIS
+    from trainer.step.quantized_base import BaseQuantization
     pipelined = STAGE_AXIS in tuple(config.strategy.mesh_axes)
-    return cls(int(spec.rank), float(spec.alpha), targets, fold=pipelined)
+    return cls(int(spec.rank), float(spec.alpha), targets, fold=pipelined,
+               base=BaseQuantization.from_config(config))
 
   def matched(self, paths: list[str]) -> list[str]:
     """The parameter paths the targets match.
@@ -119,12 +125,20 @@ class Lora:
     return sorted(set(out))
 
   def provider(self, paths: list[str]) -> Any:
-    """The Qwix provider adapting the modules that hold the matched weights."""
+    """The Qwix provider adapting the modules that hold the matched weights (and, with a
+    quantized base, quantizing the weights of the modules `base` matches)."""
     import qwix
 
-    modules = sorted({p.rsplit("/", 1)[0] if "/" in p else "" for p in self.matched(paths)})
-    return qwix.LoraProvider(module_path="|".join(re.escape(m) for m in modules),
-                             rank=self.rank, alpha=self.alpha)
+    adapted = _modules(self.matched(paths))
+    if self.base is None:
+      return qwix.LoraProvider(module_path=_any_of(adapted), rank=self.rank, alpha=self.alpha)
+    quantized = _modules(self.base.matched(paths))
+    q = dict(weight_qtype=self.base.qtype, tile_size=self.base.block_size)
+    groups = [(adapted & quantized, qwix.LoraRule, dict(rank=self.rank, alpha=self.alpha, **q)),
+              (adapted - quantized, qwix.LoraRule, dict(rank=self.rank, alpha=self.alpha)),
+              (quantized - adapted, qwix.QuantizationRule, q)]
+    return qwix.LoraProvider([rule(module_path=_any_of(modules), **kwargs)
+                              for modules, rule, kwargs in groups if modules])
 
   def check_adapted(self, base_paths: list[str], paths: list[str]) -> None:
     """Every matched weight got its adapters.
@@ -139,6 +153,16 @@ class Lora:
       raise ValueError(f"config.lora.targets match {missing}, which no matrix product of "
                        f"the model takes as its weight (biases, norms and embedding lookups "
                        f"get no adapters); target kernels, e.g. '.*attn/.*/kernel'.")
+
+
+def _modules(paths: list[str]) -> set[str]:
+  """The module paths holding parameters at `paths`."""
+  return {p.rsplit("/", 1)[0] if "/" in p else "" for p in paths}
+
+
+def _any_of(modules: set[str]) -> str:
+  """A Qwix `module_path` regex matching exactly `modules`."""
+  return "|".join(re.escape(m) for m in sorted(modules))
 
 
 def _leading_axes(w: np.ndarray, a: np.ndarray, b: np.ndarray, rank: int) -> int:

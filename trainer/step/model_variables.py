@@ -224,17 +224,28 @@ class LinenVariables(ModelVariables):
 
       from strategies.tree import keypath_str
 
-      def paths(module):
+      def shapes(module):
         with nn.logical_axis_rules(()):  # See `init`: Qwix's adapters without rules.
           variables = jax.eval_shape(lambda: module.init(
               {"params": jax.random.PRNGKey(0)}, *args, **kwargs))
-        return [keypath_str(p, drop_box=True) for p, _ in
-                jax.tree_util.tree_leaves_with_path(variables.get("params", {}))]
+        return {keypath_str(p, drop_box=True): tuple(x.shape) for p, x in
+                jax.tree_util.tree_leaves_with_path(variables.get("params", {}))}
 
       base = _with_mode_fields(self._module, False)
-      base_paths = paths(base)
-      adapted = qwix.apply_lora_to_model(self._module, self._lora.provider(base_paths))
-      self._lora.check_adapted(base_paths, paths(_with_mode_fields(adapted, False)))
+      base_shapes = shapes(base)
+      base_paths = list(base_shapes)
+      adapters_only = dataclasses.replace(self._lora, base=None)
+      adapted = qwix.apply_lora_to_model(self._module, adapters_only.provider(base_paths))
+      adapted_paths = list(shapes(_with_mode_fields(adapted, False)))
+      self._lora.check_adapted(base_paths, adapted_paths)
+      if self._lora.base is not None:  # Checked, then the adapters with the base quantized.
+        from trainer.step import quantized_base
+        self._lora.base.refuse_training(adapted_paths)
+        probe = qwix.apply_lora_to_model(  # Which axes each quantized weight's products take.
+            self._module, quantized_base.probe_provider(self._lora.base, base_paths))
+        quantized_base.linen_weights(self._lora.base, base_shapes,
+                                     shapes(_with_mode_fields(probe, False)))
+        adapted = qwix.apply_lora_to_model(self._module, self._lora.provider(base_paths))
       self._adapted = adapted
     return self._adapted
 
@@ -275,8 +286,9 @@ class LinenVariables(ModelVariables):
     module, args, kwargs = self._in_mode(inputs, train)
     if self._lora is not None and self._lora.fold:  # Qwix made them; the weights take them.
       from trainer.step.lora import merge_adapters
+      from trainer.step.quantized_base import dequantized
       module = _with_mode_fields(self._module, train)
-      params = merge_adapters(nn.meta.unbox(params), self._lora)
+      params = merge_adapters(dequantized(nn.meta.unbox(params)), self._lora)
     return module, args, kwargs, params
 
   @_under_attention
@@ -448,8 +460,11 @@ class NnxVariables(ModelVariables):
     params, model_state = self._split(model)
     if self._lora is not None:
       from trainer.step import lora
-      params = lora.add_adapters(params, lora.nnx_weights(model), self._lora,
-                                 dict(rngs)["params"])
+      weights = lora.nnx_weights(model)
+      params = lora.add_adapters(params, weights, self._lora, dict(rngs)["params"])
+      if self._lora.base is not None:
+        from trainer.step.quantized_base import quantize
+        params = quantize(params, weights, self._lora.base)
     return params, model_state
 
   @_under_attention
@@ -478,7 +493,8 @@ class NnxVariables(ModelVariables):
     params = nn.meta.unbox(params)
     if self._lora is not None:
       from trainer.step.lora import merge_adapters
-      params = merge_adapters(params, self._lora)
+      from trainer.step.quantized_base import dequantized
+      params = merge_adapters(dequantized(params), self._lora)
     nnx.replace_by_pure_dict(values, params)
     rest = nnx.state(model, _NNX_MODEL_STATE)
     nnx.replace_by_pure_dict(rest, model_state)

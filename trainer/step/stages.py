@@ -70,3 +70,15 @@ class StepTransform:
     """Other versions of the state to evaluate beside it, by metric prefix (`ema_`)."""
     del state
     return {}
+
+
+def differentiated(x: Any) -> bool:
+  """Whether the step differentiates the loss for parameter `x` (inexact), or holds it
+  constant (integers: a quantized base's codes, `trainer.step.quantized_base`)."""
+  return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
+
+
+def zero_gradient(x: Any) -> jax.Array:
+  """The gradient of a parameter: zeros like it, `int8` for one held constant (integer
+  codes, whose 4-bit types reductions and norms do not take)."""
+  return jnp.zeros_like(x) if differentiated(x) else jnp.zeros(jnp.shape(x), jnp.int8)

@@ -6,6 +6,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import optax
 from flax.training import train_state
 
 
@@ -31,6 +32,18 @@ class TrainState(train_state.TrainState):
                            model_state={} if model_state is None else model_state, **kwargs)
     # A strongly typed step keeps the step's signature fixed after the first update.
     return state.replace(step=jnp.zeros((), jnp.int32))
+
+  def apply_gradients(self, *, grads: Any, **kwargs: Any) -> TrainState:
+    """Flax's update; parameters the step holds constant (a quantized base's integer
+    codes, `trainer.step.stages.differentiated`) keep their values."""
+    from trainer.step.stages import differentiated
+
+    if all(differentiated(x) for x in jax.tree.leaves(self.params)):
+      return super().apply_gradients(grads=grads, **kwargs)
+    updates, opt_state = self.tx.update(grads, self.opt_state, self.params)
+    params = jax.tree.map(lambda p, u: optax.apply_updates(p, u) if differentiated(p) else p,
+                          self.params, updates)
+    return self.replace(step=self.step + 1, params=params, opt_state=opt_state, **kwargs)
 
 
 class EmaTrainState(TrainState):
