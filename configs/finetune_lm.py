@@ -11,7 +11,8 @@ Empty, the example writes a small randomly initialised GPT-2 in HF format
 into the workdir and starts from that.
 
 Variants: `full` (every weight trains, FSDP over the devices), `lora` (rank-8
-adapters on the attention and MLP kernels, everything else frozen) and `instruct`
+adapters on the attention and MLP kernels, everything else frozen), `qlora` (`lora`
+with the frozen base stored in NF4, data parallel) and `instruct`
 (`full` on prompt and response pairs rendered with the chat template, the loss on the
 responses: `config.data.chat`), for any of them (`--config.model.family=llama` makes
 the local base model a Llama).
@@ -21,7 +22,7 @@ import ml_collections
 
 from configs import base, lm
 
-VARIANTS = ("full", "lora", "instruct")
+VARIANTS = ("full", "lora", "qlora", "instruct")
 
 
 def get_config(variant: str = "full") -> ml_collections.ConfigDict:
@@ -55,13 +56,19 @@ def get_config(variant: str = "full") -> ml_collections.ConfigDict:
   config.strategy.mesh_shape = (-1,)
   config.strategy.mesh_axes = ("data",)
   config.strategy.logical_axis_rules = lm.rules(embed="data")
-  if variant == "lora":
+  if variant in ("lora", "qlora"):
     config.lora.rank = 8
     config.lora.alpha = 16.0
     # Every attention and MLP kernel, in each family's names (GPT-2's attn/c_attn,
     # attn/c_proj, mlp/c_fc, mlp/c_proj; Llama's self_attn/{q,k,v,o}_proj, mlp/*_proj).
     config.lora.targets = (".*attn/[^/]*/kernel", ".*mlp/[^/]*/kernel")
     config.learning_rate = 3e-3
+  if variant == "qlora":  # The frozen base in NF4, a scale per 16 inputs (the heads' width).
+    config.lora.base_dtype = "nf4"
+    config.lora.block_size = 16
+    # Data parallel: the 4-bit base whole on each device (FSDP would split `embed`'s 4
+    # blocks of 16 over the devices, which 8 do not divide).
+    config.strategy.logical_axis_rules = lm.rules()
   if variant == "instruct":  # Prompt/response pairs in the chat template; responses trained.
     config.data.chat = True
   return config

@@ -190,7 +190,7 @@ def finetune(config, workdir: str) -> None:
     model_dir = os.path.join(workdir, "base")
     if not hf.is_hf_checkpoint(model_dir):
       base = ml_collections.ConfigDict(config.to_dict())
-      base.lora.update(rank=0, targets=())
+      base.lora.update(rank=0, targets=(), base_dtype="")
       write_base_model(base, model_dir)
       print(f"no --config.init_from.path: wrote a randomly initialised "
             f"{config.model.family} in Hugging Face format to {model_dir}")

@@ -36,7 +36,7 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from strategies.tree import keypath_str
+from strategies.tree import array_bytes, keypath_str
 
 PyTree = Any
 LogicalRules = tuple[tuple[str, str | tuple[str, ...] | None], ...]
@@ -116,7 +116,7 @@ def annotations(abstract_state: PyTree) -> list[tuple[str, tuple[int, ...], int,
     value = leaf.value if _is_box(leaf) else leaf
     shape = tuple(np.shape(value))
     dtype = np.dtype(getattr(value, "dtype", None) or np.asarray(value).dtype)
-    out.append((keypath_str(path), shape, math.prod(shape) * dtype.itemsize, _names_of(leaf),
+    out.append((keypath_str(path), shape, array_bytes(shape, dtype), _names_of(leaf),
                 _in_mesh_axes(leaf)))
   return out
 

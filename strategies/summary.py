@@ -8,7 +8,7 @@ from typing import Any
 import jax
 
 from strategies.base import Strategy
-from strategies.tree import keypath_str
+from strategies.tree import array_bytes, keypath_str
 
 PyTree = Any
 
@@ -19,13 +19,13 @@ def bytes_per_device(tree: PyTree) -> dict[jax.Device, int]:
   for x in jax.tree.leaves(tree):
     if isinstance(x, jax.Array):
       for shard in x.addressable_shards:
-        held[shard.device] += shard.data.nbytes
+        held[shard.device] += array_bytes(shard.data.shape, x.dtype)
   return dict(held)
 
 
 def total_bytes(tree: PyTree) -> int:
   """Bytes of `tree`'s arrays as global (logical) arrays."""
-  return sum(x.nbytes for x in jax.tree.leaves(tree) if hasattr(x, "nbytes"))
+  return sum(array_bytes(x.shape, x.dtype) for x in jax.tree.leaves(tree) if hasattr(x, "nbytes"))
 
 
 def _human(n: float) -> str:
@@ -52,7 +52,8 @@ def summarize(strategy: Strategy, state: PyTree) -> str:
   lines = [strategy.describe()]
   rows = []
   for path, x in jax.tree_util.tree_leaves_with_path(state.params):
-    per_device = max((s.data.nbytes for s in x.addressable_shards), default=0)
+    per_device = max((array_bytes(s.data.shape, x.dtype) for s in x.addressable_shards),
+                     default=0)
     rows.append((keypath_str(path, drop_box=True), str(tuple(x.shape)), _spec(x),
                  _human(per_device)))
   widths = [max(len(r[i]) for r in rows + [("parameter", "shape", "spec", "per device")])

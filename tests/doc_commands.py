@@ -57,6 +57,10 @@ FEW_STEPS = {
     "benchmarks/multiprocess_step_time.py": ["--steps", "1", "--warmup", "1", "--rounds", "1",
                                              "--batch", "16", "--workloads", "cnn_dp"],
     "benchmarks/structure.py": [],  # Reads source files only: seconds as written.
+    # One Linen layer of width 64 (one head of 64: blocks of 64 divide every input axis).
+    "benchmarks/qlora.py": ["--families", "gpt2", "--bases", "nf4", "--layers", "1", "--width",
+                            "64", "--seq", "32", "--batch", "2", "--rounds", "1",
+                            "--block-seconds", "0"],
     "trainer.generate": [],  # A few tokens from the fine-tune's checkpoint: seconds.
     "trainer.harness": [],  # 28 requests of the example tasks: seconds.
     "benchmarks/harness_cost.py": ["--steps", "2", "--repeats", "1"],
@@ -127,6 +131,7 @@ EXPECTED_OUTPUT = {
     "benchmarks/recipe_cost.py": r"Transformer LM .* bf16\s+\d+\.\d{4}\s+\d+\.\d{3}x",
     "benchmarks/multiprocess_step_time.py": r"cnn_dp\s+\d+\.\d{4}\s+\d+\.\d{4}\s+\d+\.\d{3}x",
     "benchmarks/structure.py": r"^import cycles\s+\S+\s+0$",
+    "benchmarks/qlora.py": r"^gpt2\s+nf4\s+\d+\.\d{2}\s+\d\.\d{3}x\s+\d+\.\d{2}\s+0\.\d{3}x",
     "benchmarks/steps_per_call.py": r"one\s+2\s+\d+\.\d\s+\d+\.\d\s+\d+\.\d\s+\d+\.\d{3}x",
     "benchmarks/sweep_schedulers.py": r"^selection step .* ratio \d+\.\d{2}$",
     "benchmarks/sweep_vs_runs.py": r"^ratio\s+\d+\.\d{2}x\s+\d+\.\d{2}x",

@@ -43,7 +43,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from trainer.step.quantized_base import bits_of, is_quantized
+from strategies.tree import array_bytes
+from trainer.step.quantized_base import is_quantized
 
 PyTree = Any
 #: The collective ops of an optimised HLO module, as `make_plan` counts them.
@@ -144,7 +145,7 @@ def shard_bytes(x: Any) -> int:
   sharding = getattr(x, "sharding", None)
   if sharding is not None:
     shape = tuple(sharding.shard_shape(shape))
-  return -(-math.prod(shape) * bits_of(x.dtype) // 8)  # 4-bit values at half a byte.
+  return array_bytes(shape, x.dtype)  # 4-bit values at half a byte.
 
 
 def _sum(tree: PyTree) -> int:
@@ -172,7 +173,8 @@ def count_collectives(hlo: str) -> dict[str, int]:
   return {op: n for op, n in counts.items() if n}
 
 
-_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
+_DTYPE_BYTES = {"u4": 0.5, "s4": 0.5, "pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2,
+                "bf16": 2, "s32": 4,
                 "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
 
 
@@ -188,7 +190,7 @@ def count_collective_bytes(hlo: str) -> dict[str, int]:
     sizes = [math.prod(int(d) for d in dims.split(",") if d) * _DTYPE_BYTES.get(dtype, 4)
              for dtype, dims in re.findall(r"([a-z]+[0-9]*)\[([0-9,]*)\]", match.group(1))]
     if sizes:
-      totals[match.group(2)] += max(sizes) if match.group(3) else sum(sizes)
+      totals[match.group(2)] += int(max(sizes) if match.group(3) else sum(sizes))
   return dict(totals)
 
 

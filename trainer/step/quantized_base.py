@@ -12,10 +12,12 @@ shares each scale across its other input axes. So the weight is
 `x @ (dequantize(W_q) + alpha / rank * A @ B)`.
 
 Where the product happens (`trainer.step.lora`): Qwix's provider intercepts a Linen
-module's products and dequantizes each weight where it is used (inside a scanned
-layer stack, one layer's weight at a time); an NNX model, or any model under a pipeline,
-gets every quantized weight dequantized before the call (`dequantized`), beside the
-adapters' fold, which costs the full-precision weights as step temporaries.
+module's products and dequantizes each weight where it is used, inside the scanned
+layer stack; the backward pass keeps the dequantized weights it needs unless the
+blocks are rematerialised (`config.remat`, per block: then one layer's at a time). An
+NNX model, or any model under a pipeline, gets every quantized weight dequantized
+before the call (`dequantized`), beside the adapters' fold: the step's temporaries hold
+the whole base dequantized.
 
 The codes are integers, so nothing differentiates them (`trainer.step.functions`
 differentiates the inexact leaves only) and LoRA freezes them with the rest of the base.
@@ -257,20 +259,6 @@ def dequantized(params: PyTree) -> PyTree:
   import qwix
   return jax.tree.map(lambda x: qwix.dequantize(x.array) if is_quantized(x) else x, params,
                       is_leaf=is_quantized)
-
-
-# -- Bytes -------------------------------------------------------------------------------
-
-
-def bits_of(dtype: Any) -> int:
-  """Bits per value as XLA stores an array of `dtype` (4 for `uint4`/`int4`)."""
-  dtype = np.dtype(dtype)
-  return 4 if dtype.name in ("uint4", "int4") else 8 * dtype.itemsize
-
-
-def nbytes(shape: Iterable[int], dtype: Any) -> float:
-  """An array's bytes, 4-bit values at half a byte."""
-  return float(np.prod(tuple(shape), dtype=np.int64)) * bits_of(dtype) / 8
 
 
 # -- Checkpoints: 4-bit codes packed two per byte -----------------------------------------
