@@ -91,15 +91,8 @@ class Lora:
                        f"(0: no LoRA).")
     if not isinstance(spec.alpha, int | float) or spec.alpha <= 0:
       raise ValueError(f"config.lora.alpha={spec.alpha!r} must be a positive number.")
-    if not targets or not all(isinstance(t, str) for t in targets):
-      raise ValueError(f"config.lora.targets={targets!r} must be regular expressions on "
-                       f"parameter paths, e.g. ('.*attn/c_attn/kernel', '.*mlp/.*/kernel').")
-    for t in targets:
-      try:
-        re.compile(t)
-      except re.error as e:
-        raise ValueError(f"config.lora.targets entry {t!r} is not a regular expression "
-                         f"({e}).") from e
+    check_patterns("config.lora.targets", targets,
+                   ("'.*attn/c_attn/kernel'", "'.*mlp/.*/kernel'"))
     if tuple(config.freeze):
       raise ValueError(f"config.freeze={tuple(config.freeze)} with config.lora: LoRA freezes "
                        f"every weight but the adapters already; leave config.freeze empty.")
@@ -115,14 +108,7 @@ class Lora:
     Raises:
       ValueError: a target that matches no parameter (naming the parameters).
     """
-    out = []
-    for t in self.targets:
-      hits = [p for p in paths if re.fullmatch(t, p)]
-      if not hits:
-        raise ValueError(f"config.lora.targets entry {t!r} matches no parameter; the "
-                         f"parameters are {sorted(paths)}.")
-      out += hits
-    return sorted(set(out))
+    return matched_paths("config.lora.targets", self.targets, paths)
 
   def provider(self, paths: list[str]) -> Any:
     """The Qwix provider adapting the modules that hold the matched weights (and, with a
@@ -153,6 +139,34 @@ class Lora:
       raise ValueError(f"config.lora.targets match {missing}, which no matrix product of "
                        f"the model takes as its weight (biases, norms and embedding lookups "
                        f"get no adapters); target kernels, e.g. '.*attn/.*/kernel'.")
+
+
+def check_patterns(field: str, patterns: tuple, example: tuple[str, ...]) -> None:
+  """Raises unless `patterns` (the value of config `field`) are regular expressions."""
+  if not patterns or not all(isinstance(p, str) for p in patterns):
+    raise ValueError(f"{field}={patterns!r} must be regular expressions on parameter paths, "
+                     f"e.g. ({', '.join(example)}).")
+  for p in patterns:
+    try:
+      re.compile(p)
+    except re.error as e:
+      raise ValueError(f"{field} entry {p!r} is not a regular expression ({e}).") from e
+
+
+def matched_paths(field: str, patterns: tuple[str, ...], paths: list[str]) -> list[str]:
+  """The `paths` the `patterns` of config `field` match.
+
+  Raises:
+    ValueError: a pattern that matches no path (naming the paths).
+  """
+  out = set()
+  for p in patterns:
+    hits = [q for q in paths if re.fullmatch(p, q)]
+    if not hits:
+      raise ValueError(f"{field} entry {p!r} matches no parameter; the parameters are "
+                       f"{sorted(paths)}.")
+    out.update(hits)
+  return sorted(out)
 
 
 def _modules(paths: list[str]) -> set[str]:

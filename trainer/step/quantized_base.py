@@ -94,15 +94,8 @@ class BaseQuantization:
       raise ValueError(f"config.lora.block_size={spec.block_size!r} must be an even integer "
                        f">= 2 (values per scale; 64 is QLoRA's).")
     patterns = tuple(spec.quantize)
-    if not patterns or not all(isinstance(p, str) for p in patterns):
-      raise ValueError(f"config.lora.quantize={patterns!r} must be regular expressions on "
-                       f"parameter paths, e.g. {DEFAULT_PATTERNS}.")
-    for p in patterns:
-      try:
-        re.compile(p)
-      except re.error as e:
-        raise ValueError(f"config.lora.quantize entry {p!r} is not a regular expression "
-                         f"({e}).") from e
+    from trainer.step.lora import check_patterns
+    check_patterns("config.lora.quantize", patterns, tuple(map(repr, DEFAULT_PATTERNS)))
     return cls(spec.base_dtype, int(spec.block_size), patterns)
 
   @property
@@ -115,16 +108,10 @@ class BaseQuantization:
     Raises:
       ValueError: an adapter matched (it trains), or a pattern that matches nothing.
     """
-    paths = list(paths)
-    out = set()
-    for p in self.patterns:
-      hits = [q for q in paths if re.fullmatch(p, q)]
-      if not hits:
-        raise ValueError(f"config.lora.quantize entry {p!r} matches no parameter; the "
-                         f"parameters are {sorted(paths)}.")
-      out.update(hits)
+    from trainer.step.lora import matched_paths
+    out = matched_paths("config.lora.quantize", self.patterns, list(paths))
     self.refuse_training(out)
-    return sorted(out)
+    return out
 
   def refuse_training(self, paths: Iterable[str]) -> None:
     """Raises if the patterns match an adapter (it trains; only the frozen base is stored
