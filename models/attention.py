@@ -62,7 +62,8 @@ METHODS = ("plain", "blockwise")
 
 @dataclasses.dataclass(frozen=True)
 class Method:
-  """How `attention` runs where no `context` axis splits the sequence.
+  """How `attention` runs: on one device's whole sequence, or, under a `context` axis, on
+  each chunk of keys a device attends to (the ring's held block, the all-gathered keys).
 
   Attributes:
     name: `plain` (every query's scores against every key at once: `[length, length]`
@@ -337,58 +338,83 @@ def _pad_to(x: jax.Array, length: int, axis: int, value=0) -> jax.Array:
   return jnp.pad(x, widths, constant_values=value)
 
 
-def _blockwise_setup(q, k, v, segment_ids, size):
-  """The padded, blocked operands: q `[nq, b, bq, kv, g, d]`, k/v `[nk, b, bk, kv, d]`,
-  segments and positions per block."""
-  b, length, heads, d = q.shape
-  kv = k.shape[2]
-  g = heads // kv
-  n = -(-length // size)
-  padded = n * size
-  index = jnp.asarray(_order(length))
-  index = jnp.concatenate([index, length + jnp.arange(padded - length, dtype=index.dtype)])
-  seg = _pad_to(segment_ids, padded, 1, -1)  # Padding matches no real document.
-  qb = _pad_to(q, padded, 1).reshape(b, n, size, kv, g, d).transpose(1, 0, 2, 3, 4, 5)
-  kb = _pad_to(k, padded, 1).reshape(b, n, size, kv, d).transpose(1, 0, 2, 3, 4)
-  vb = _pad_to(v, padded, 1).reshape(b, n, size, kv, d).transpose(1, 0, 2, 3, 4)
-  segb = seg.reshape(b, n, size).transpose(1, 0, 2)
-  indexb = index.reshape(n, size)
-  return qb, kb, vb, segb, indexb
+def _in_blocks(x: jax.Array, size: int, axis: int, value=0) -> jax.Array:
+  """`x` padded along `axis` to whole blocks of `size` (with `value`), the blocks on a new
+  leading axis: `[..., n * size, ...]` -> `[n, ..., size, ...]`."""
+  n = -(-x.shape[axis] // size)
+  x = _pad_to(x, n * size, axis, value)
+  return jnp.moveaxis(x.reshape(x.shape[:axis] + (n, size) + x.shape[axis + 1:]), axis, 0)
 
 
-def _blockwise(block: _Block, size: int, dropout: bool, q, k, v, segment_ids):
-  """Attention by blocks of `size` queries against blocks of `size` keys with an online
-  softmax (`_Block.update`, the ring's per-block step too), blocks that the causal mask or
-  the window covers skipped. Each query block's computation is rematerialised in the
-  backward pass and each block pair's scores within it, so what autodiff keeps is linear
-  in the length: a query block's inputs, and while one is differentiated, its running
-  sums per key block."""
-  b, length, heads, d = q.shape
-  qb, kb, vb, segb, indexb = _blockwise_setup(q, k, v, segment_ids, size)
-  kv, g = qb.shape[3], qb.shape[4]
-  drop = (jnp.arange(b), jnp.arange(heads)) if dropout else None
+def _out_of_blocks(x: jax.Array, axis: int, length: int) -> jax.Array:
+  """`_in_blocks`' inverse: the blocks back along `axis`, the padding cut to `length`."""
+  x = jnp.moveaxis(x, 0, axis)
+  x = x.reshape(x.shape[:axis] + (x.shape[axis] * x.shape[axis + 1],) + x.shape[axis + 2:])
+  return jax.lax.slice_in_dim(x, 0, length, axis=axis)
+
+
+#: Where padding sits in the sequence: after every token, so no causal or windowed query
+#: sees it (and padded queries, whose outputs are cut, see no real key).
+_PAD_INDEX = 2**30
+
+
+def _fold(block: _Block, size: int, carry, q, q_index, q_seg, k, v, k_index, k_seg, drop):
+  """`carry`, the running (max, sum, weighted values) of the queries `q [b, lq, kv, g, d]`,
+  with the keys and values `k`, `v [b, lk, kv, d]` folded in: blocks of `size` queries
+  against blocks of `size` keys, each pair by the online softmax (`_Block.update`), a pair
+  the causal mask or the window covers skipped. Each query block's computation is
+  rematerialised in the backward pass, and each block pair's scores within it, so what
+  autodiff keeps is linear in the length: a query block's inputs, and while one is
+  differentiated, its running sums per key block. Blockwise attention is one fold over
+  the whole sequence; the context methods fold each block of keys a device holds.
+
+  Args:
+    q_index, k_index: `[lq]`, `[lk]`, the tokens' places in the sequence.
+    q_seg, k_seg: `[b, lq]`, `[b, lk]`, their documents.
+    drop: `(batch ids, head ids)` of dropout's keep mask, or None (no dropout).
+  """
+  lq = q.shape[1]
+  pad = lambda index: jnp.concatenate(  # noqa: E731
+      [index, _PAD_INDEX + jnp.arange(-index.shape[0] % size, dtype=index.dtype)])
+  qb, q_indexb = _in_blocks(q, size, 1), _in_blocks(pad(q_index), size, 0)
+  q_segb = _in_blocks(q_seg, size, 1, -1)  # Padding matches no real document.
+  keys = (_in_blocks(k, size, 1), _in_blocks(v, size, 1), _in_blocks(pad(k_index), size, 0),
+          _in_blocks(k_seg, size, 1, -1))
+  m, total, acc = carry
+  carries = (_in_blocks(m, size, 3, -jnp.inf), _in_blocks(total, size, 3),
+             _in_blocks(acc, size, 3))
   update = jax.checkpoint(block.update)
 
   @jax.checkpoint
-  def one_query_block(qi, qi_seg, qi_index, kb, vb):
+  def one_query_block(carry, qi, qi_index, qi_seg):
     def step(carry, blocks):
-      kj, vj, kj_seg, kj_index = blocks
+      kj, vj, kj_index, kj_seg = blocks
       allowed = block.allowed(qi_index, kj_index, qi_seg, kj_seg)
-      ids = (*drop, qi_index, kj_index) if dropout else None
+      ids = (*drop, qi_index, kj_index) if drop is not None else None
       carry = jax.lax.cond(block.skipped(qi_index, kj_index), lambda c, *_: c,
                            lambda c, kj, vj, allowed: update(c, qi, kj, vj, allowed, None, ids),
                            carry, kj, vj, allowed)
       return carry, None
 
-    carry, _ = jax.lax.scan(step, _start(b, kv, g, size, d), (kb, vb, segb, indexb))
-    return _finish(carry, q.dtype)  # [b, size, heads, d]
+    carry, _ = jax.lax.scan(step, carry, keys)
+    return carry
 
-  def body(_, args):
-    return None, one_query_block(*args, kb, vb)
+  _, out = jax.lax.scan(lambda _, args: (None, one_query_block(*args)), None,
+                        (carries, qb, q_indexb, q_segb))
+  return tuple(_out_of_blocks(x, 3, lq) for x in out)
 
-  _, out = jax.lax.scan(body, None, (qb, segb, indexb))
-  n = out.shape[0]
-  return out.transpose(1, 0, 2, 3, 4).reshape(b, n * size, heads, d)[:, :length]
+
+def _blockwise(block: _Block, size: int, dropout: bool, q, k, v, segment_ids):
+  """Attention by blocks of `size` queries against blocks of `size` keys (`_fold` over the
+  whole sequence)."""
+  b, length, heads, d = q.shape
+  kv = k.shape[2]
+  index = jnp.asarray(_order(length))
+  drop = (jnp.arange(b), jnp.arange(heads)) if dropout else None
+  carry = _fold(block, size, _start(b, kv, heads // kv, length, d),
+                q.reshape(b, length, kv, heads // kv, d), index, segment_ids, k, v, index,
+                segment_ids, drop)
+  return _finish(carry, q.dtype)
 
 
 def _linear_index(axes: tuple[str, ...]) -> jax.Array:
@@ -417,6 +443,8 @@ def _context_parallel(plan, block, q, k, v, segment_ids, dropout):
         f"or are replicated (('kv_heads', None)).")
   order = np.asarray(plan.order(length), np.int32)
   chunk = length // C
+  method = current_method()  # Blockwise: each chunk of keys folded in by blocks.
+  blocks = method.block_size if method.name == "blockwise" else 0
 
   def body(q, k, v, seg):
     i = jax.lax.axis_index(axis)
@@ -437,12 +465,27 @@ def _context_parallel(plan, block, q, k, v, segment_ids, dropout):
       k_all = jax.lax.all_gather(k, axis, axis=1, tiled=True)
       v_all = jax.lax.all_gather(v, axis, axis=1, tiled=True)
       k_index = jnp.asarray(order)
+      if blocks:
+        carry = _fold(block, min(blocks, lq), carry, qg, q_index, seg, k_all, v_all, k_index,
+                      all_seg, drop_base)
+        return _finish(carry, q.dtype)
       drop = (*drop_base, q_index, k_index) if dropout else None
       allowed = block.allowed(q_index, k_index, seg, all_seg)
       carry = block.update(carry, qg, k_all, v_all, allowed, None, drop)
       return _finish(carry, q.dtype)
 
     update = jax.checkpoint(block.update)  # Each block's scores recomputed for the backward.
+
+    def fold(c, qa, qa_index, qa_seg, kb, vb, kb_index, kb_seg):
+      """One chunk of keys into the running sums of one chunk of queries: in blocks of
+      `config.attention.block_size` under the blockwise method (`_fold`), else at once."""
+      if blocks:
+        return _fold(block, min(blocks, qa.shape[1]), c, qa, qa_index, qa_seg, kb, vb,
+                     kb_index, kb_seg, drop_base)
+      drop = (*drop_base, qa_index, kb_index) if dropout else None
+      return update(c, qa, kb, vb, block.allowed(qa_index, kb_index, qa_seg, kb_seg), None,
+                    drop)
+
     # In the load-balanced order a device's queries, and each block of keys, are an early and
     # a late chunk: of a block's four chunk pairs the causal mask covers one or two whole
     # (the early queries never see a late chunk), so each pair is skipped on its own.
@@ -463,12 +506,11 @@ def _context_parallel(plan, block, q, k, v, segment_ids, dropout):
           if block.causal and (a, b) == (0, 1):  # Early queries, late keys: always masked.
             continue
           kb_index = part(k_index, b, 0)
-          drop = (*drop_base, qa_index, kb_index) if dropout else None
-          allowed = block.allowed(qa_index, kb_index, part(seg, a), part(k_seg, b))
           carries[a] = jax.lax.cond(
               block.skipped(qa_index, kb_index), lambda c, *_: c,
-              lambda c, k, v, m, qa=qa, drop=drop: update(c, qa, k, v, m, None, drop),
-              carries[a], part(k, b), part(v, b), allowed)
+              lambda c, qs, kb, vb, ks, qa=qa, qa_index=qa_index, kb_index=kb_index: fold(
+                  c, qa, qa_index, qs, kb, vb, kb_index, ks),
+              carries[a], part(seg, a), part(k, b), part(v, b), part(k_seg, b))
       return carries
 
     def step(state, s):  # Attend to the block held, then pass it to the next device.

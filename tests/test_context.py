@@ -88,9 +88,28 @@ CASES = [  # Data x context and FSDP for the transformer: tests/test_transformer
                          ids=[f"{f}-{layout}-{'-'.join(map(str, c.values())) or 'default'}"
                               for f, layout, c in CASES])
 def test_context_parallel_equals_one_device(family, layout, fields):
+  _equals_one_device(family, layout, fields)
+
+
+BLOCKWISE = [("gpt2", "context_ring", PLAIN), ("llama", "context", {})]
+
+
+@pytest.mark.parametrize("family,layout,fields", BLOCKWISE,
+                         ids=[f"{f}-{layout}-{'-'.join(map(str, c.values())) or 'default'}"
+                              for f, layout, c in BLOCKWISE])
+def test_blockwise_attention_under_a_context_axis_equals_one_device(family, layout, fields):
+  """`config.attention.method='blockwise'` under a context axis: each chunk of keys a device
+  attends to (all-gathered, or the ring's held block) is folded in by blocks of 1 query
+  and key, blockwise attention's own `_fold`; logits and 3 steps equal one device's."""
+  _equals_one_device(family, layout, fields, attention=dict(method="blockwise", block_size=1))
+
+
+def _equals_one_device(family, layout, fields, attention=None):
   want_logits, want_params, chaos = _reference(family)
   config = _config(layout, family)
   config.strategy.context.update(fields)
+  if attention:
+    config.attention.update(attention)
   trainer = _trainer(config, family)
   assert trainer.strategy.context is not None
   batches = _batches(config)

@@ -238,6 +238,30 @@ def _at(tree: dict, path: str) -> tuple[dict, str]:
   return tree, leaf
 
 
+def matched_weights(params: dict, weights: Mapping[str, tuple[int, int]], matched: Any,
+                    refusal: str) -> tuple[dict, list[str]]:
+  """A copy of `params`' dicts (boxed where annotated; the caller's stay) and the paths of
+  its leaves that `matched(paths)` picks, each one of the products' `weights`.
+
+  Raises:
+    ValueError: `refusal` formatted with the picked paths that are not weights.
+  """
+  import flax.linen as nn
+
+  from strategies.tree import keypath_str
+
+  def boxes(x):
+    return isinstance(x, nn.meta.AxisMetadata)
+
+  paths = [keypath_str(p, drop_box=True)
+           for p, _ in jax.tree_util.tree_leaves_with_path(params, is_leaf=boxes)]
+  picked = matched(paths)
+  missing = [p for p in picked if p not in weights]
+  if missing:
+    raise ValueError(refusal.format(missing))
+  return jax.tree.map(lambda x: x, params, is_leaf=boxes), picked
+
+
 def add_adapters(params: dict, weights: Mapping[str, tuple[int, int]], lora: Lora,
                  rng: jax.Array) -> dict:
   """`params` (nested dicts, boxed where annotated) with `<w>_lora_a [*lead, *inputs, rank]`
@@ -251,18 +275,11 @@ def add_adapters(params: dict, weights: Mapping[str, tuple[int, int]], lora: Lor
   """
   import flax.linen as nn
 
-  from strategies.tree import keypath_str
-
-  paths = [keypath_str(p, drop_box=True) for p, _ in jax.tree_util.tree_leaves_with_path(
-      params, is_leaf=lambda x: isinstance(x, nn.meta.AxisMetadata))]
-  matched = lora.matched(paths)
-  missing = [p for p in matched if p not in weights]
-  if missing:
-    raise ValueError(f"config.lora.targets match {missing}, which no Linear or LinearGeneral "
-                     f"layer takes as its kernel (biases, norms and embedding lookups get no "
-                     f"adapters); target kernels, e.g. '.*self_attn/.*/kernel'.")
-  params = jax.tree.map(lambda x: x, params,  # A copy of the dicts: the caller's stays.
-                        is_leaf=lambda x: isinstance(x, nn.meta.AxisMetadata))
+  params, matched = matched_weights(
+      params, weights, lora.matched,
+      "config.lora.targets match {}, which no Linear or LinearGeneral layer takes as its "
+      "kernel (biases, norms and embedding lookups get no adapters); target kernels, e.g. "
+      "'.*self_attn/.*/kernel'.")
   for path in matched:
     lead, inputs = weights[path]
     parent, name = _at(params, path)

@@ -210,21 +210,15 @@ def quantize(params: dict, weights: Mapping[str, tuple[int, int]], base: BaseQua
   from qwix._src.core import qarray
   from qwix._src.providers.ptq import WithAux
 
-  from strategies.tree import keypath_str
-  from trainer.step.lora import _at
+  from trainer.step.lora import _at, matched_weights
 
   def boxes(x):
     return isinstance(x, nn.meta.AxisMetadata)
 
-  paths = [keypath_str(p, drop_box=True)
-           for p, _ in jax.tree_util.tree_leaves_with_path(params, is_leaf=boxes)]
-  matched = base.matched(paths)
-  missing = [p for p in matched if p not in weights]
-  if missing:
-    raise ValueError(f"config.lora.quantize matches {missing}, which no Linear or "
-                     f"LinearGeneral layer takes as its kernel (biases, norms and embedding "
-                     f"lookups are not stored quantized).")
-  params = jax.tree.map(lambda x: x, params, is_leaf=boxes)  # The caller's dicts stay.
+  params, matched = matched_weights(
+      params, weights, base.matched,
+      "config.lora.quantize matches {}, which no Linear or LinearGeneral layer takes as its "
+      "kernel (biases, norms and embedding lookups are not stored quantized).")
   for path in matched:
     parent, name = _at(params, path)
     boxed = parent[name]
