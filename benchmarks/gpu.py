@@ -17,8 +17,9 @@ seconds (`--size smoke`, the default elsewhere):
 - `moe`: grouped `ragged_dot` experts against the one-hot einsum dispatch and the
   dense model (`moe.py`);
 - `attention`: the LM's step on one long sequence, its temporaries and time at
-  1K, 4K and 8K tokens, one device, plain against blockwise attention
-  (`long_context.py` with no context axis);
+  1K, 4K and 8K tokens, one device, plain against blockwise attention in bfloat16
+  (`long_context.py` with no context axis; on a GPU blockwise runs as cuDNN's fused
+  kernel, `models.attention.fused_fallback`);
 - `generation`: the key/value-cache decoder against recomputing the window for every
   token, a GPT-2 of 12 x 768 (`generation.py`);
 - `ensemble`: 4 members on one device, looped against `vmap`ped, against 4
@@ -66,7 +67,7 @@ STAGES = {
     },
     "attention": {
         "gpu": ["long_context.py", "--seqs", "1024,4096,8192", "--contexts", "", "--attention",
-                "plain,blockwise", "--rounds", "3"],
+                "plain,blockwise", "--compute-dtype", "bfloat16", "--rounds", "3"],
         "smoke": ["long_context.py", "--seqs", "32", "--contexts", "", "--attention",
                   "plain,blockwise", "--block-size", "8", "--rounds", "1",
                   "--block-seconds", "0.01"],

@@ -36,6 +36,9 @@ def main():
                       help="one-device attention methods (config.attention.method): plain is "
                            "`none`; e.g. plain,blockwise adds a blockwise row per length")
   parser.add_argument("--block-size", type=int, default=512, help="blockwise's block")
+  parser.add_argument("--compute-dtype", default="float32",
+                      help="config.mixed_precision.compute_dtype (bfloat16: on a GPU, "
+                           "blockwise runs as cuDNN's fused kernel where it can)")
   parser.add_argument("--rounds", type=int, default=3)
   parser.add_argument("--block-seconds", type=float, default=1.0)
   args = parser.parse_args()
@@ -52,7 +55,8 @@ def main():
   from trainer.plan import count_collective_bytes
 
   print(f"{jax.devices()[0].device_kind} ({jax.devices()[0].platform}), "
-        f"{len(jax.devices())} devices; LM 2 layers x 64, 8 heads; one sequence per step; "
+        f"{len(jax.devices())} devices; LM 2 layers x 64, 8 heads; {args.compute_dtype}; one "
+        f"sequence per step; "
         f"{args.rounds} rounds")
   print(f"{'seq':>6} {'run':<21} {'temp MiB/dev':>13} {'vs none':>8} {'coll MiB/dev':>13} "
         f"{'s/step':>8} {'vs none':>8}")
@@ -70,6 +74,7 @@ def main():
       config.update(seq_len=seq, batch_size=1, eval_batch_size=1)
       config.model.max_len = seq
       config.attention.update(method=attention, block_size=args.block_size)
+      config.mixed_precision.compute_dtype = args.compute_dtype
       strategy = None
       if method is None:
         config.strategy.name = "single_device"

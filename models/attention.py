@@ -7,7 +7,8 @@ Without a `context` mesh axis it runs by the method the trainer sets while it tr
 (`using`, from `config.attention`): `plain` (the whole score matrix of each head at
 once) or `blockwise` (FlashAttention's schedule in XLA: blocks of queries against
 blocks of keys with an online softmax, its backward pass recomputing each block's
-scores, so memory is linear in the length; a `mask` array falls back to plain). Both
+scores, so memory is linear in the length; a `mask` array falls back to plain; on a
+GPU, cuDNN's fused kernel where it can express the call: `fused_fallback`). Both
 honour every argument below. Under a strategy whose mesh
 has one (`strategies.context`), each device holds a shard of every sequence and
 the same call runs by the configured method: the keys and values gathered over
@@ -257,11 +258,15 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
   seed = _key_words(dropout_rng) if dropout else (jnp.uint32(0), jnp.uint32(0))
   block = _Block(causal=causal, window=window, scale=scale or 1.0 / math.sqrt(d),
                  rate=float(dropout_rate), seed=seed, total_heads=heads, length=length)
+  packed = segment_ids is not None
   if segment_ids is None:
     segment_ids = jnp.zeros((b, length), jnp.int32)
   if plan is None:
     method = current_method()
     if method.name == "blockwise" and mask is None:  # A mask array is [length, length].
+      if jax.default_backend() == "gpu" and fused_fallback(
+          q, k, packed=packed, dropout=dropout, window=window, causal=causal) is None:
+        return _fused(block, q, k, v, "cudnn")
       return _blockwise(block, min(method.block_size, length), dropout, q, k, v, segment_ids)
     return _plain(block, q, k, v, segment_ids, mask, dropout)
   if mask is not None:
@@ -324,6 +329,39 @@ def _plain(block, q, k, v, segment_ids, mask, dropout):
   carry = block.update(_start(b, kv, g, length, d), q.reshape(b, length, kv, g, d), k, v,
                        allowed, extra, drop)
   return _finish(carry, q.dtype)
+
+
+# -- cuDNN's fused attention (a GPU) ---------------------------------------------------------
+
+
+def fused_fallback(q: jax.Array, k: jax.Array, *, packed: bool, dropout: bool,
+                   window: int | None, causal: bool) -> str | None:
+  """Why blockwise attention cannot run as cuDNN's fused kernel
+  (`jax.nn.dot_product_attention(implementation='cudnn')`) on a GPU, or None when it can:
+  cuDNN takes bf16 or fp16 operands with a head width that is a multiple of 8 up to 128,
+  and expresses a causal mask and a causal sliding window, but not packed documents
+  (`segment_ids`), this module's position-keyed attention dropout, or a window without
+  the causal mask. Those calls run blockwise in XLA."""
+  if q.dtype not in (jnp.bfloat16, jnp.float16) or k.dtype != q.dtype:
+    return f"operands of {q.dtype} (cuDNN's kernel takes bfloat16 or float16)"
+  if q.shape[-1] % 8 or q.shape[-1] > 128:
+    return f"head width {q.shape[-1]} (a multiple of 8 up to 128)"
+  if packed:
+    return "segment_ids (packed documents)"
+  if dropout:
+    return "attention dropout"
+  if window is not None and not causal:
+    return "a window without the causal mask"
+  return None
+
+
+def _fused(block: _Block, q, k, v, implementation: str | None) -> jax.Array:
+  """`jax.nn.dot_product_attention` with this call's causal mask, window and scale
+  (`implementation`: 'cudnn' on a GPU; None, XLA's, to check the mapping elsewhere)."""
+  window = None if block.window is None else (block.window - 1, 0)
+  return jax.nn.dot_product_attention(q, k, v, scale=block.scale, is_causal=block.causal,
+                                      local_window_size=window,
+                                      implementation=implementation).astype(q.dtype)
 
 
 # -- Blockwise attention (memory linear in the length) ----------------------------------------

@@ -120,3 +120,33 @@ def test_bad_fields_are_refused(field, value, message):
   config.attention[field] = value
   with pytest.raises(ValueError, match=message):
     LanguageModelTrainer(config)
+
+
+@pytest.mark.parametrize("causal, window, kv", [(True, None, 4), (True, 5, 2), (False, None, 1)])
+def test_the_fused_kernels_arguments_give_plain_attention(causal, window, kv):
+  """On a GPU blockwise runs as cuDNN's fused kernel where it can: the call's causal mask,
+  window, grouped heads and scale, mapped to `jax.nn.dot_product_attention`, give plain
+  attention (checked here through its XLA implementation; cuDNN itself needs a GPU)."""
+  keys = jax.random.split(jax.random.PRNGKey(3), 3)
+  b, length, heads, d = 2, 24, 4, 8
+  q = jax.random.normal(keys[0], (b, length, heads, d))
+  k, v = (jax.random.normal(key, (b, length, kv, d)) for key in keys[1:])
+  block = attention_lib._Block(causal=causal, window=window, scale=0.3, rate=0.0, seed=None,
+                               total_heads=heads, length=length)
+  want = attention_lib._plain(block, q, k, v, jnp.zeros((b, length), jnp.int32), None, False)
+  np.testing.assert_allclose(attention_lib._fused(block, q, k, v, None), want, atol=1e-5,
+                             rtol=0)
+
+
+def test_what_the_fused_kernel_cannot_express_falls_back_to_blockwise():
+  bf16 = jnp.zeros((1, 16, 4, 64), jnp.bfloat16)
+  ok = dict(packed=False, dropout=False, window=None, causal=True)
+  assert attention_lib.fused_fallback(bf16, bf16, **ok) is None
+  assert attention_lib.fused_fallback(bf16, bf16, **{**ok, "window": 8}) is None
+  cases = {"operands of float32": (bf16.astype(jnp.float32), ok),
+           "head width 12": (jnp.zeros((1, 16, 4, 12), jnp.bfloat16), ok),
+           "segment_ids": (bf16, {**ok, "packed": True}),
+           "attention dropout": (bf16, {**ok, "dropout": True}),
+           "a window without the causal mask": (bf16, {**ok, "window": 8, "causal": False})}
+  for reason, (q, fields) in cases.items():
+    assert reason in attention_lib.fused_fallback(q, q, **fields)
