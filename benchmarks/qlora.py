@@ -1,16 +1,17 @@
-r"""What QLoRA's quantized base costs and saves: a LoRA run whose frozen base is in its own
-dtype against the same run with the base in NF4 and in int8 (`config.lora.base_dtype`).
+r"""What QLoRA's quantized base costs and saves: the same LoRA run with its frozen base in
+float32 (the models' own dtype, the baseline), cast to bfloat16, in NF4 and in int8
+(`config.lora.base_dtype`, blocks of 64).
 
     python benchmarks/qlora.py [--families gpt2,llama] [--rounds 3]
 
-For each family (GPT-2: Linen, Qwix dequantizes each weight where its product is, one
-layer at a time in the scanned stack; Llama: NNX, every weight dequantized before the
-call), a model of `--layers` x `--width` (heads of 64, MLP 4x, vocabulary 8,192), LoRA
-rank 16 on every attention and MLP kernel, one device, `--batch` sequences of `--seq`
-tokens per step. Printed per base: the dry run's parameter bytes (`trainer.plan`: 4-bit
-codes at half a byte) and the quantized weights' bytes with their scales, as ratios to
-the same weights in bf16; XLA's step temporaries; the median step time over rounds (the
-order rotating), as a ratio to the float32 base's.
+For each family (GPT-2: Linen, Qwix dequantizes each weight where its product is;
+Llama: NNX, the whole base dequantized before the call), a model of `--layers` x
+`--width` (heads of 64, MLP 4x, vocabulary 8,192), LoRA rank 16 on every attention and
+MLP kernel, one device, `--batch` sequences of `--seq` tokens per step. Printed per
+base: the dry run's parameter bytes (`trainer.plan`: 4-bit codes at half a byte) and
+the base weights' bytes as stored (codes with their scales), each against the same
+model with those weights in bf16; XLA's step temporaries; the median step time over
+rounds (the order rotating), as a ratio to the float32 base's.
 """
 
 import argparse
@@ -29,7 +30,8 @@ TARGETS = {"gpt2": (".*attn/c_attn/kernel", ".*attn/c_proj/kernel", ".*mlp/c_fc/
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--families", default="gpt2,llama")
-  parser.add_argument("--bases", default="nf4,int8", help="quantized bases beside float32")
+  parser.add_argument("--bases", default="bfloat16,nf4,int8",
+                      help="bases beside float32 (config.lora.base_dtype)")
   parser.add_argument("--layers", type=int, default=4)
   parser.add_argument("--width", type=int, default=512)
   parser.add_argument("--seq", type=int, default=256)
@@ -50,7 +52,7 @@ def main():
   print(f"{jax.devices()[0].device_kind} ({jax.devices()[0].platform}); {args.layers} layers x "
         f"{args.width}, {heads} heads, vocabulary {vocab}; LoRA rank 16; {args.batch} x "
         f"{args.seq} tokens per step; {args.rounds} rounds")
-  print(f"{'family':<7} {'base':<8} {'params MiB':>11} {'vs bf16':>8} {'quantized MiB':>14} "
+  print(f"{'family':<7} {'base':<9} {'params MiB':>11} {'vs bf16':>8} {'base MiB':>14} "
         f"{'vs bf16':>8} {'temp MiB':>9} {'s/step':>8} {'vs f32':>7}")
   for family in args.families.split(","):
     model = dict(family=family, vocab_size=vocab, num_layers=args.layers,
@@ -77,13 +79,15 @@ def main():
     times = rotating_rounds(runs, "float32", rounds=args.rounds,
                             block_seconds=args.block_seconds, min_steps=1)
     reference = rows["float32"]
+    # The quantizable weights' bytes in bf16, and the parameters with those in bf16 (the rest
+    # as they are), from a quantized run's dry run.
+    bf16 = next(plan.quantized[2] for plan in rows.values() if plan.quantized)
+    bf16_total = reference.params_bytes - bf16 * 2 + bf16
     for name, plan in rows.items():
-      # The parameters with every quantizable weight in bf16 (the rest as they are).
-      quantized = rows[args.bases.split(",")[0]].quantized
-      bf16_total = reference.params_bytes - quantized[2] * 2 + quantized[2]
-      count, held, bf16 = plan.quantized or (0, quantized[2] * 2, quantized[2])
+      held = plan.quantized[1] if plan.quantized else plan.params_bytes - (
+          bf16_total - bf16)  # A float base: its weights' bytes as they are stored.
       ratios = [t / b for t, b in zip(times[name], times["float32"], strict=True)]
-      print(f"{family:<7} {name:<8} {plan.params_bytes / 2**20:11.2f} "
+      print(f"{family:<7} {name:<9} {plan.params_bytes / 2**20:11.2f} "
             f"{plan.params_bytes / bf16_total:7.3f}x {held / 2**20:14.2f} {held / bf16:7.3f}x "
             f"{temp[name]:9.1f} {statistics.median(times[name]):8.4f} "
             f"{statistics.median(ratios):6.2f}x", flush=True)

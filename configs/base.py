@@ -116,8 +116,8 @@ def get_config() -> ml_collections.ConfigDict:
   config.lora.targets = ()
   # QLoRA (trainer/step/quantized_base.py, Qwix's quantized arrays): the frozen base weights
   # the `quantize` regexes match (default: every kernel but an output head's) stored as
-  # `base_dtype` ('': their own dtype; 'nf4' or 'int8'), one scale per `block_size` values
-  # of a weight's last input axis for each output.
+  # `base_dtype` ('': their own dtype; 'nf4' or 'int8', one scale per `block_size` values
+  # of a weight's last input axis for each output; 'bfloat16', cast).
   config.lora.base_dtype = ""
   config.lora.block_size = 64
   config.lora.quantize = (r"(?!(.*/)?(lm_head|head|logits)/).*kernel",)

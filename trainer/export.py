@@ -80,7 +80,7 @@ def export_checkpoint(workdir: str, out: str, *, step: int = -1, member: int = -
   if source.num_members:
     values = {p: np.asarray(x[member]) for p, x in values.items()}
   spec = dict(config["lora"]) if "lora" in config else {}
-  if spec.get("base_dtype"):  # QLoRA: the dequantized base, then the merged adapters.
+  if spec.get("base_dtype") in quantized_base.QTYPES:  # The dequantized base, then adapters.
     values = quantized_base.dequantized_values(values, spec["base_dtype"])
   values = lora.merged(values, spec)
   return hf.export(values, model, out, dtype=dtype)

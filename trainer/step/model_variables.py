@@ -238,9 +238,10 @@ class LinenVariables(ModelVariables):
       adapted = qwix.apply_lora_to_model(self._module, adapters_only.provider(base_paths))
       adapted_paths = list(shapes(_with_mode_fields(adapted, False)))
       self._lora.check_adapted(base_paths, adapted_paths)
-      if self._lora.base is not None:  # Checked, then the adapters with the base quantized.
-        from trainer.step import quantized_base
+      if self._lora.base is not None:
         self._lora.base.refuse_training(adapted_paths)
+      if self._lora.base is not None and self._lora.base.quantized:  # The base quantized.
+        from trainer.step import quantized_base
         probe = qwix.apply_lora_to_model(  # Which axes each quantized weight's products take.
             self._module, quantized_base.probe_provider(self._lora.base, base_paths))
         quantized_base.linen_weights(self._lora.base, base_shapes,
@@ -279,6 +280,8 @@ class LinenVariables(ModelVariables):
     if named:
       self._remat.check_found(seen)
     params = variables.pop("params", {})
+    if self._lora is not None and self._lora.base is not None and not self._lora.base.quantized:
+      params = self._lora.base.cast(params)  # A base stored in another float dtype.
     return params, {k: v for k, v in variables.items() if k not in _NOT_STATE}
 
   def _for_call(self, params, inputs, train):

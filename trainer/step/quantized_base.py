@@ -45,8 +45,10 @@ import numpy as np
 
 PyTree = Any
 
-#: `config.lora.base_dtype` values: Qwix's qtype of each.
+#: `config.lora.base_dtype` values stored quantized: Qwix's qtype of each.
 QTYPES = {"nf4": "nf4", "int8": jnp.int8}
+#: `config.lora.base_dtype` values stored as plain arrays of another float dtype.
+CASTS = {"bfloat16": jnp.bfloat16}
 #: Every kernel but an output head's (`lm_head`, `head`): what `config.lora.quantize`
 #: holds by default. Embeddings and norms are not products' weights.
 DEFAULT_PATTERNS = (r"(?!(.*/)?(lm_head|head|logits)/).*kernel",)
@@ -82,10 +84,10 @@ class BaseQuantization:
     spec = config.lora
     if spec.base_dtype == "":
       return None
-    if spec.base_dtype not in QTYPES:
+    if spec.base_dtype not in {**QTYPES, **CASTS}:
       raise ValueError(f"config.lora.base_dtype={spec.base_dtype!r} is not a storage type "
                        f"of the frozen base; accepted: '' (the weights' own), "
-                       f"{', '.join(repr(k) for k in QTYPES)}.")
+                       f"{', '.join(repr(k) for k in {**QTYPES, **CASTS})}.")
     if not spec.rank:
       raise ValueError(f"config.lora.base_dtype={spec.base_dtype!r} needs adapters to train: "
                        f"set config.lora.rank and config.lora.targets (QLoRA), or leave "
@@ -94,13 +96,35 @@ class BaseQuantization:
       raise ValueError(f"config.lora.block_size={spec.block_size!r} must be an even integer "
                        f">= 2 (values per scale; 64 is QLoRA's).")
     patterns = tuple(spec.quantize)
-    from trainer.step.lora import check_patterns
+    from trainer.step.weights import check_patterns
     check_patterns("config.lora.quantize", patterns, tuple(map(repr, DEFAULT_PATTERNS)))
     return cls(spec.base_dtype, int(spec.block_size), patterns)
 
   @property
+  def quantized(self) -> bool:
+    """Whether the base is stored as Qwix's quantized arrays (else cast: `CASTS`)."""
+    return self.dtype in QTYPES
+
+  @property
   def qtype(self) -> Any:
     return QTYPES[self.dtype]
+
+  def cast(self, params: dict) -> dict:
+    """`params` with the weights the patterns match cast to `CASTS[dtype]` (boxes kept)."""
+    import flax.linen as nn
+
+    from strategies.tree import keypath_str
+    dtype = CASTS[self.dtype]
+    boxes = lambda x: isinstance(x, nn.meta.AxisMetadata)  # noqa: E731
+    paths = [keypath_str(p, drop_box=True)
+             for p, _ in jax.tree_util.tree_leaves_with_path(params, is_leaf=boxes)]
+    chosen = set(self.matched(paths))
+
+    def leaf(path, x):
+      if keypath_str(path, drop_box=True) not in chosen:
+        return x
+      return x.replace(value=x.value.astype(dtype)) if boxes(x) else x.astype(dtype)
+    return jax.tree_util.tree_map_with_path(leaf, params, is_leaf=boxes)
 
   def matched(self, paths: Iterable[str]) -> list[str]:
     """The parameter paths stored quantized.
@@ -108,7 +132,7 @@ class BaseQuantization:
     Raises:
       ValueError: an adapter matched (it trains), or a pattern that matches nothing.
     """
-    from trainer.step.lora import matched_paths
+    from trainer.step.weights import matched_paths
     out = matched_paths("config.lora.quantize", self.patterns, list(paths))
     self.refuse_training(out)
     return out
@@ -116,7 +140,7 @@ class BaseQuantization:
   def refuse_training(self, paths: Iterable[str]) -> None:
     """Raises if the patterns match an adapter (it trains; only the frozen base is stored
     quantized)."""
-    from trainer.step.lora import SUFFIX_A, SUFFIX_B
+    from trainer.step.weights import SUFFIX_A, SUFFIX_B
     training = sorted(q for q in paths if q.endswith((SUFFIX_A, SUFFIX_B))
                       and any(re.fullmatch(p, q) for p in self.patterns))
     if training:
@@ -157,7 +181,7 @@ def probe_provider(base: BaseQuantization, paths: list[str]) -> Any:
   matches: the adapters' shapes say which axes of each weight its products take."""
   import qwix
 
-  from trainer.step.lora import _any_of, _modules
+  from trainer.step.weights import _any_of, _modules
   return qwix.LoraProvider(module_path=_any_of(_modules(base.matched(paths))), rank=1,
                            alpha=1.0)
 
@@ -172,7 +196,7 @@ def linen_weights(base: BaseQuantization, shapes: Mapping[str, tuple[int, ...]],
     ValueError: a matched parameter no product takes as its weight, or a block size that
       does not divide a weight's last input axis.
   """
-  from trainer.step.lora import SUFFIX_A, SUFFIX_B, _leading_axes
+  from trainer.step.weights import SUFFIX_A, SUFFIX_B, _leading_axes
 
   out, missing = {}, []
   for path in base.matched(shapes):
@@ -210,7 +234,10 @@ def quantize(params: dict, weights: Mapping[str, tuple[int, int]], base: BaseQua
   from qwix._src.core import qarray
   from qwix._src.providers.ptq import WithAux
 
-  from trainer.step.lora import _at, matched_weights
+  from trainer.step.weights import _at, matched_weights
+
+  if not base.quantized:
+    return base.cast(params)
 
   def boxes(x):
     return isinstance(x, nn.meta.AxisMetadata)
