@@ -84,7 +84,9 @@ CASES = {"gpt2-nf4": ("data_parallel", "gpt2", "nf4", 8),
 def trained(request):
   """A QLoRA run of 2 steps: (case, trainer, final state, initial and final host params)."""
   layout, family, base_dtype, block = CASES[request.param]
-  trainer = LanguageModelTrainer(_config(layout, family, base_dtype, block))
+  config = _config(layout, family, base_dtype, block)
+  config.ema_decay = 0.5  # The average of a quantized base: its codes, as they are.
+  trainer = LanguageModelTrainer(config)
   state = trainer.init_state(next(_stream(0)))
   before = _host(trainer.strategy.to_canonical(state).params)
   result = trainer.fit(_stream, num_steps=2, state=state)
@@ -112,6 +114,9 @@ def test_the_base_is_stored_quantized_and_only_the_adapters_train(trained):
   moments = [x.shape for x in jax.tree.leaves(trainer.strategy.to_canonical(state).opt_state)
              if np.ndim(x)]
   assert sorted(moments) == sorted(2 * [after[p].shape for p in adapters])  # Adam's m and v.
+  average = _host(trainer.strategy.to_canonical(state).ema_params)
+  for path in after:  # The average moved with the adapters; the base is the base.
+    assert (path in adapters) != np.array_equal(average[path], after[path]), path
 
 
 def test_a_step_computes_the_dequantized_base_plus_the_scaled_adapter_product(trained):

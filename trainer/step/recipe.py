@@ -40,6 +40,7 @@ from trainer.step.stages import (
   StepAux,
   StepTransform,
   UpdateFn,
+  differentiated,
   keep_unless,
 )
 from trainer.step.train_state import EmaTrainState
@@ -188,8 +189,9 @@ class Ema(StepTransform):
     def with_average(state, grads, aux, finite):
       new = update_fn(state, grads, aux, finite)
       decay = state.ema_decay if self.in_state else self.decay
-      return new.replace(ema_params=optax.incremental_update(new.params, state.ema_params,
-                                                             1.0 - decay))
+      average = lambda n, o: (optax.incremental_update(n, o, 1.0 - decay)  # noqa: E731
+                              if differentiated(n) else n)  # Integer codes: constants.
+      return new.replace(ema_params=jax.tree.map(average, new.params, state.ema_params))
 
     return with_average
 
