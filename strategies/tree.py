@@ -25,10 +25,15 @@ def keypath_str(path: tuple, *, drop_box: bool = False) -> str:
   return "/".join(names)
 
 
+def is_4bit(dtype: Any) -> bool:
+  """Whether `dtype` is a 4-bit integer (`uint4`, `int4`: a QLoRA base's codes)."""
+  return np.dtype(dtype).name in ("uint4", "int4")
+
+
 def array_bytes(shape: Any, dtype: Any) -> int:
   """Bytes of an array as XLA's compiled programs hold it: 4-bit values (`uint4`, `int4`: a
   QLoRA base's codes) at half a byte. (XLA:CPU's buffers between calls hold a byte each.)"""
-  bits = 4 if np.dtype(dtype).name in ("uint4", "int4") else 8 * np.dtype(dtype).itemsize
+  bits = 4 if is_4bit(dtype) else 8 * np.dtype(dtype).itemsize
   return -(-int(np.prod(tuple(shape), dtype=np.int64)) * bits // 8)
 
 

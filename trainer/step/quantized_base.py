@@ -281,7 +281,8 @@ def _packed_axis(shape: tuple[int, ...]) -> int:
 
 
 def is_4bit(x: Any) -> bool:
-  return hasattr(x, "dtype") and np.dtype(x.dtype).name in ("uint4", "int4")
+  from strategies.tree import is_4bit as is_4bit_dtype
+  return hasattr(x, "dtype") and is_4bit_dtype(x.dtype)
 
 
 def packed_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -305,7 +306,7 @@ def unpack(packed: jax.Array, shape: tuple[int, ...], dtype: Any) -> jax.Array:
   axis = _packed_axis(shape)
   low, high = packed & 0xF, packed >> 4
   codes = jnp.stack([low, high], axis=axis + 1).reshape(shape).astype(jnp.uint4)
-  if np.dtype(dtype).name == "int4":
+  if np.dtype(dtype) == np.dtype(jnp.int4):
     return jax.lax.bitcast_convert_type(codes, jnp.int4)
   return codes
 
