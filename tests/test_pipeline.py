@@ -193,3 +193,25 @@ def test_the_feed_places_batches_ahead_and_raises_a_bad_one_at_its_step():
   assert read == [0, 1, 2, 3, 4]  # Never beyond the run's last step (stop_step=5).
   with pytest.raises(ValueError, match="bad batch 3"):
     feed.next()
+
+
+def test_a_resumed_run_sets_the_saved_position_before_reading_a_batch(tmp_path):
+  """A checkpointable iterator is positioned before its first read: one that can only reach
+  step `start` by reading from its beginning (a text stream) is not read through the steps
+  already trained, and reads each step's batch once."""
+  source, events = records(96), []
+
+  class Recording(PerProcessIterator):
+    def __next__(self):
+      events.append(("next", self.index))
+      return super().__next__()
+
+    def set_state(self, state):
+      events.append(("set_state", state["index"]))
+      super().set_state(state)
+
+  _fit(tmp_path, 3, lambda start: Recording(source), prefetch=0)
+  assert events == [("next", 16 * i) for i in range(3)]
+  events.clear()
+  _fit(tmp_path, 5, lambda start: Recording(source), prefetch=0)
+  assert events == [("set_state", 48), ("next", 48), ("next", 64)]

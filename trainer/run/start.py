@@ -2,8 +2,9 @@
 state it was given, or a new one; and its train data from that step.
 
 Resume is one call: the train state, the data position (a checkpointable
-iterator such as Grain's is set to it) and the actions' state, all from the
-`RunState` of the latest complete checkpoint.
+iterator such as Grain's is set to it before it reads a batch, so a resume costs
+the same at any step) and the actions' state, all from the latest complete
+checkpoint.
 """
 
 from __future__ import annotations
@@ -83,11 +84,16 @@ def start(train_batches: TrainData, *, state: PyTree | None, checkpointer: Check
       batch = device_data.example_batch(strategy.process_slice(batch_size))
     else:
       batches = _train_iterator(train_batches, step, resume_step, checkpointer)
-      batch = next(batches)
-    check_batch(batch, step)
+      # A checkpointable iterator that resumes is set to the saved position before its first
+      # read (`_resume`): a stream read from its start (a text corpus) would read its way
+      # through every step already trained to reach `step`.
+      batch = None if resume_step and is_checkpointable(batches) else next(batches)
+    if batch is not None:
+      check_batch(batch, step)
     if not resume_step:
       break
-    resumed = _resume_or_set_aside(states, checkpointer, resume_step, batches, batch, actions)
+    resumed = _resume_or_set_aside(states, checkpointer, resume_step, batches, batch, actions,
+                                   check_batch)
     if resumed is not None:
       state, batch = resumed
       break
@@ -98,13 +104,15 @@ def start(train_batches: TrainData, *, state: PyTree | None, checkpointer: Check
 
 
 def _resume_or_set_aside(states: States, checkpointer: Checkpointer, step: int,
-                         batches: Iterator[Batch] | None, batch: Batch,
-                         actions: Sequence[Action]) -> tuple[PyTree, Batch] | None:
+                         batches: Iterator[Batch] | None, batch: Batch | None,
+                         actions: Sequence[Action],
+                         check_batch: Callable[[Batch, int], None]
+                         ) -> tuple[PyTree, Batch] | None:
   """`_resume`, or None where checkpoint `step` is unreadable on any process and
   `config.checkpoint.on_corrupt='fallback'` set it aside (the caller tries the next)."""
   error = None
   try:
-    resumed = _resume(states, checkpointer, step, batches, batch, actions)
+    resumed = _resume(states, checkpointer, step, batches, batch, actions, check_batch)
   except CheckpointError as e:
     error = e
   error = read_everywhere(error)
@@ -143,16 +151,22 @@ def _train_iterator(train_batches: Any, start: int, resume_step: int | None,
 
 
 def _resume(states: States, checkpointer: Checkpointer, step: int,
-            batches: Iterator[Batch] | None, batch: Batch,
-            actions: Sequence[Action]) -> tuple[PyTree, Batch]:
-  """Restores the run saved at `step` in one call: the state, the data position (the
-  first batch is read again from there) and the actions' state."""
-  run = states.restore(checkpointer, batch, step=step)
+            batches: Iterator[Batch] | None, batch: Batch | None,
+            actions: Sequence[Action],
+            check_batch: Callable[[Batch, int], None]) -> tuple[PyTree, Batch]:
+  """Restores the run saved at `step` in one call: the state, the data position and the
+  actions' state. `batch` is None for a checkpointable iterator not read yet: it is set to
+  the checkpoint's position (when it holds one) and step `step`'s batch read from there."""
   where, shape = checkpointer.step_dir(step), run_shape(states.strategy)
-  if run.data is not None and is_checkpointable(batches):
-    check_resumable(run.data, run.shape, shape, where)
-    batches.set_state(run.data)  # The batch read before was only for the shapes.
+  if batch is None:
+    layout = checkpointer.layout(step)
+    data = layout.get("data")
+    if data is not None:
+      check_resumable(data, dict(layout.get("shape") or {}), shape, where)
+      batches.set_state(data)
     batch = next(batches)
+    check_batch(batch, step)
+  run = states.restore(checkpointer, batch, step=step)
   for action in actions:
     if action.name in run.actions:
       action.load_state_dict(run.actions[action.name])
