@@ -2,18 +2,23 @@ r"""The text corpus pipeline (`trainer.data.lm`): does it keep the LM fed, does 
 flat as the corpus grows, does a resume cost the same late as early.
 
     python benchmarks/corpus.py [--sizes-mb 50,500] [--late 10000] [--batches 400]
+                                [--workers 0,1,2]
 
 Corpora are generated JSONL files of random documents (a word-level tokenizer of 4096
 words, documents of 20-400 words), written once into `--dir`. Printed side by side:
 
 1. **Throughput**: the pipeline's trained tokens/s on one process (the LM example's
-   config: batch 32 x 64 tokens, packed, 8 lanes), against the tokens/s that the LM
-   example's train step (`configs/lm.py:data_parallel`, 8 host devices) consumes on
-   this machine, timed on a placed batch. The ratio pipeline / step is the headroom.
+   config: batch 32 x 64 tokens, packed, 8 lanes) for each `--workers` count (0: read
+   and tokenized in the training process; n: in n Grain worker processes), against
+   the tokens/s that the LM example's train step (`configs/lm.py:data_parallel`, 8
+   host devices) consumes on this machine, timed on a placed batch. The ratio
+   pipeline / step is the headroom.
 2. **Memory**: the peak RSS of a process that reads `--batches` batches of each
-   corpus size (a subprocess each; the same work, only the files' size differs).
+   corpus size in-process (a subprocess each; the same work, only the files' size
+   differs).
 3. **Resume**: the seconds to restore a saved position and read the next batch, at
-   step 10 and at step `--late` (median of 5, batch 8 x 64).
+   step 10 and at step `--late` (median of 5, batch 8 x 64, in-process: the seek
+   alone, without a worker's start).
 """
 
 import argparse
@@ -66,24 +71,27 @@ def write_tokenizer(directory: str) -> None:
     json.dump({"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": True}, f)
 
 
-def config_for(corpus: str, batch_size: int = 32, seq_len: int = 64):
+def config_for(corpus: str, batch_size: int = 32, seq_len: int = 64, workers: int = 0):
   from configs import lm
   config = lm.get_config("data_parallel")
   config.model.vocab_size = VOCAB
   config.seq_len, config.batch_size = seq_len, batch_size
-  config.data.update(sources=(corpus,), tokenizer=corpus)
+  config.data.update(sources=(corpus,), tokenizer=corpus, workers=workers)
   return config
 
 
-def pipeline_tokens_per_second(corpus: str, batches: int) -> float:
+def pipeline_tokens_per_second(corpus: str, batches: int, workers: int) -> float:
   from trainer.data import lm
-  iterator = lm.from_config(config_for(corpus))()
-  next(iterator)  # Files opened, first rows packed.
-  start, tokens = time.perf_counter(), 0
-  for _ in range(batches):
-    batch = next(iterator)
-    tokens += int((batch["segment_ids"] > 0).sum())
-  return tokens / (time.perf_counter() - start)
+  iterator = lm.from_config(config_for(corpus, workers=workers))()
+  try:
+    next(iterator)  # Workers started, files opened, first rows packed.
+    start, tokens = time.perf_counter(), 0
+    for _ in range(batches):
+      batch = next(iterator)
+      tokens += int((batch["segment_ids"] > 0).sum())
+    return tokens / (time.perf_counter() - start)
+  finally:
+    iterator.close()
 
 
 def step_tokens_per_second(corpus: str) -> float:
@@ -138,18 +146,20 @@ def main():
   parser.add_argument("--sizes-mb", default="50,500")
   parser.add_argument("--batches", type=int, default=400, help="batches per measurement")
   parser.add_argument("--late", type=int, default=10000, help="the late resume step")
+  parser.add_argument("--workers", default="0,1,2", help="Grain worker counts to compare")
   args = parser.parse_args()
   from trainer.distributed.devices import set_num_cpu_devices
   set_num_cpu_devices(8)
   sizes = [int(s) for s in args.sizes_mb.split(",")]
   corpora = {mb: write_corpus(args.dir, mb) for mb in sizes}
   small = corpora[sizes[0]]
-  pipeline = pipeline_tokens_per_second(small, args.batches)
   step = step_tokens_per_second(small)
-  print("throughput (tokens/s, one process)")
-  print(f"  pipeline (batch 32 x 64, packed, 8 lanes) {pipeline:12.0f}")
+  print("throughput (tokens/s, one process; pipeline: batch 32 x 64, packed, 8 lanes)")
   print(f"  LM train step (data_parallel, 8 devices)  {step:12.0f}")
-  print(f"  pipeline / step                           {pipeline / step:12.2f}x")
+  for workers in (int(w) for w in args.workers.split(",")):
+    pipeline = pipeline_tokens_per_second(small, args.batches, workers)
+    print(f"  pipeline, {workers} worker process(es)      {pipeline:12.0f}   "
+          f"{pipeline / step:6.2f}x the step")
   print(f"peak RSS reading {args.batches} batches")
   base = None
   for mb, path in corpora.items():

@@ -132,6 +132,11 @@ def corpus_fields() -> ml_collections.ConfigDict:
       add_eos=ml_collections.FieldReference(None, field_type=bool),  # None: when it has one.
       layout="packed",  # "packed" (documents kept apart) or "chunked" (cut, no padding).
       lanes=0,  # Independent row streams; processes must divide it. 0: <= 8, divides batch.
+      # Grain worker processes that read, tokenize and pack the lanes ahead of the step
+      # (dividing each process's lanes; 0: in the training process), each keeping
+      # worker_buffer blocks ready.
+      workers=1,
+      worker_buffer=2,
       bad_records="stop",  # "stop" naming the file and line, or "skip" and count.
       shuffle_files=True,  # Each lane's file order drawn per epoch from config.seed.
       # Instruction data: each JSONL record a `messages` list or `prompt` and `response`

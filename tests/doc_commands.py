@@ -100,7 +100,8 @@ FEW_STEPS = {
     # Without a GPU the script runs its smoke sizes; two stages (each stage's script
     # runs on its own above).
     "benchmarks/gpu.py": ["--only", "attention,sweep"],
-    "benchmarks/corpus.py": ["--sizes-mb", "1,2", "--batches", "5", "--late", "20"],
+    "benchmarks/corpus.py": ["--sizes-mb", "1,2", "--batches", "5", "--late", "20",
+                             "--workers", "1"],
 }
 
 #: Flags appended after the script's few-step ones to a command that runs one of these

@@ -35,7 +35,7 @@ def files(tmp_path_factory):
 
 
 def make(files, sources=("corpus",), weights=None, *, batch_size=8, lanes=0, rows=slice(None),
-         layout="packed", bad_records="stop", epochs=None, add_bos=None):
+         layout="packed", bad_records="stop", epochs=None, add_bos=None, workers=0):
   root = files["tokenizer"]
   resolved = [corpus.resolve(str(root / s), field="text", weight=w, where=f"sources[{i}]")
               for i, (s, w) in enumerate(zip(sources, weights or [1.0] * len(sources),
@@ -43,7 +43,7 @@ def make(files, sources=("corpus",), weights=None, *, batch_size=8, lanes=0, row
   tokenizer = corpus.Tokenizer(str(root), add_bos=add_bos)
   return lm.Corpus(resolved, tokenizer, length=LENGTH,
                    batch_size=batch_size, rows=rows, lanes=lanes, layout=layout,
-                   bad_records=bad_records, seed=3, epochs=epochs)
+                   bad_records=bad_records, seed=3, epochs=epochs, workers=workers)
 
 
 def one_pass(c):
@@ -129,6 +129,43 @@ def test_a_saved_position_resumes_the_same_batches(files):
     # A lane's position is where its files stand, not a count of batches to skip.
     lane = json.dumps(state[lm.STATES_KEY]["0"])
     assert '"pos": ' in lane and '"epoch": 0' in lane, lane
+
+
+def test_worker_processes_make_the_same_batches_and_positions_as_the_training_process(
+    files, monkeypatch):
+  """Two Grain workers, two of the four lanes each: the batches and the positions after each
+  batch are those read in this process; a position saved under either resumes under the
+  other. The workers tokenize: this process's tokenizer is never called."""
+  sources = ["corpus/a.jsonl", "corpus/c.parquet"]
+  here = make(files, sources, [0.6, 0.4], lanes=4)()
+  expected = []
+  for _ in range(6):
+    expected.append((next(here), json.dumps(here.get_state(), sort_keys=True)))
+
+  def refuse(self, text):
+    raise AssertionError("tokenized in the training process")
+
+  monkeypatch.setattr(corpus.Tokenizer, "__call__", refuse)
+  workers = make(files, sources, [0.6, 0.4], lanes=4, workers=2)()
+  try:
+    for batch, state in expected:
+      got = next(workers)
+      for key in batch:
+        np.testing.assert_array_equal(got[key], batch[key], err_msg=key)
+      assert json.dumps(workers.get_state(), sort_keys=True) == state
+    # A position from the workers resumes in this process, and one from here in workers.
+    workers.set_state(json.loads(expected[1][1]))
+    for batch, _ in expected[2:4]:
+      np.testing.assert_array_equal(next(workers)["targets"], batch["targets"])
+  finally:
+    workers.close()
+  monkeypatch.undo()
+  resumed = make(files, sources, [0.6, 0.4], lanes=4)()
+  resumed.set_state(json.loads(expected[3][1]))
+  np.testing.assert_array_equal(next(resumed)["targets"], expected[4][0]["targets"])
+  monkeypatch.setattr(corpus.Tokenizer, "__call__", refuse)
+  with pytest.raises(AssertionError, match="tokenized in"):  # Without workers: called here.
+    next(make(files, sources, [0.6, 0.4], lanes=4)())
 
 
 def test_a_position_over_other_lanes_is_refused(files):
@@ -232,6 +269,9 @@ def corpus_config(files, **data) -> ml_collections.ConfigDict:
     (dict(layout="shuffled"), r"config.data.layout='shuffled' is not one of \('packed', "),
     (dict(bad_records="ignore"), r"config.data.bad_records='ignore' is not one of"),
     (dict(lanes=3), r"config.data.lanes=3 does not divide config.batch_size=8"),
+    (dict(workers=3), r"config.data.workers=3 does not divide the 8 lanes this process"),
+    (dict(workers=-1), r"config.data.workers=-1 must be an integer >= 0"),
+    (dict(worker_buffer=0), r"config.data.worker_buffer=0 must be an integer >= 1"),
     (dict(tokenizer=""), r"config.data.tokenizer is empty and so is config.init_from.path"),
 ])
 def test_a_corpus_config_that_cannot_run_is_refused_before_compute(files, fields, message):

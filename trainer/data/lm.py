@@ -24,16 +24,26 @@ A mixture is made per lane after packing (`grain.IterDataset.mix`): each row com
 from one source, and a source's weight is its share of rows, so of trained tokens
 (up to each row's padding) rather than of documents, whose lengths differ by source.
 
+- `workers`: the lanes are read, tokenized and packed in this many Grain worker
+  processes (`grain.IterDataset.mp_prefetch`), each holding `worker_buffer` blocks
+  ready ahead of the step; worker `w` makes every `workers`-th of this process's lanes,
+  so the batches are the same for any worker count (0: in this process). It must
+  divide this process's lanes.
+
 Resuming: the iterator's state is every lane's Grain state (`get_state`), which
 the loop saves with each checkpoint; restoring seeks each lane's files to where it
 stopped, so a resume costs the same at step 10 as at step 10,000. On several
 processes each holds its own lanes' states; a checkpoint holds all of them, gathered
 when it is saved (`gather_state`, a collective every process enters at the same
-save), so a run resumes on any number of processes that divides `lanes`.
+save), so a run resumes on any number of processes that divides `lanes`. Each block a
+worker hands over carries its lane's state after it, so the position is exact with
+any number of blocks waiting in the workers' buffers, and the same for any `workers`.
 """
 
 from __future__ import annotations
 
+import functools
+import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -49,6 +59,10 @@ from trainer.loop.actions import Action
 
 LAYOUTS = ("packed", "chunked")
 MAX_DEFAULT_LANES = 8
+#: Arrays up to this size pass from a worker through its queue rather than shared memory: a
+#: block of token rows is small, and a run that stops with blocks in the buffer leaves no
+#: shared-memory segment behind.
+_QUEUE_BYTES = 1 << 26
 
 
 def lanes_for(batch_size: int, lanes: int) -> int:
@@ -75,14 +89,16 @@ class Corpus:
     length: tokens per row (`config.seq_len`).
     batch_size: rows per global batch.
     rows: this process's rows of each batch (`strategy.process_slice(batch_size)`).
-    lanes, layout, bad_records, shuffle_files, seed: see the module docstring.
+    lanes, layout, bad_records, shuffle_files, seed, workers, worker_buffer: see the module
+      docstring.
   """
 
   def __init__(self, sources: Sequence[TextSource], tokenizer: Tokenizer, *, length: int,
                batch_size: int,
                rows: slice = slice(None), lanes: int = 0, layout: str = "packed",
                bad_records: str = "stop", shuffle_files: bool = True, seed: int = 0,
-               epochs: int | None = None, chat: dict | None = None):
+               epochs: int | None = None, chat: dict | None = None, workers: int = 0,
+               worker_buffer: int = 2):
     self.epochs = epochs  # None: endless (training); 1: one pass (held-out data).
     self.chat = chat  # Instruction records (`chat.messages_of`'s field names), or None.
     self.sources, self.tokenizer = tuple(sources), tokenizer
@@ -98,6 +114,11 @@ class Corpus:
           f"(config.data.lanes={lanes}); the processes that split a batch must divide "
           f"the lanes.")
     self.my_lanes = range(start // self.rows_per_lane, stop // self.rows_per_lane)
+    # A finite pass (held-out data) is read in this process: lanes that end at different
+    # batches would leave the workers' turns out of step.
+    self.workers = workers if epochs is None else 0
+    self.worker_buffer = worker_buffer
+    check_workers(self.workers, worker_buffer, len(self.my_lanes))
 
   # -- One lane ----------------------------------------------------------------------------
 
@@ -150,46 +171,156 @@ def _packed_row(row: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
           packing.POSITIONS: np.asarray(row["inputs_positions"], np.int32), **_weights(row)}
 
 
+class LaneGroup(grain.IterDataset):
+  """Lanes of a corpus as one dataset, for one process or (`set_slice`, which grain's
+  `mp_prefetch` calls in each worker) one worker: each element is `{lane: (block of
+  rows_per_lane rows, the lane's Grain state after it)}`. `states` starts each lane
+  where a saved position left it (None: at the start)."""
+
+  def __init__(self, corpus: Corpus, lanes: Sequence[int],
+               states: Mapping[str, Any] | None = None):
+    super().__init__()
+    self.corpus, self.lanes, self.states = corpus, tuple(lanes), states
+
+  def set_slice(self, sl: slice, sequential_slice: bool = False) -> None:
+    del sequential_slice  # Worker `w` of `n` takes every n-th lane from the w-th.
+    self.lanes = self.lanes[sl]
+
+  def __iter__(self) -> _LaneGroupIterator:
+    return _LaneGroupIterator(self.corpus, self.lanes, self.states)
+
+
+class _LaneGroupIterator(grain.DatasetIterator):
+
+  def __init__(self, corpus: Corpus, lanes: Sequence[int], states: Mapping[str, Any] | None):
+    super().__init__()
+    self._iterators = {str(lane): iter(corpus.lane_dataset(lane)) for lane in lanes}
+    if states is not None:
+      for lane, it in self._iterators.items():
+        it.set_state(states[lane])
+    self._states = None  # After the last element: what grain's worker asks for next.
+
+  def __next__(self) -> dict[str, tuple[dict[str, np.ndarray], Any]]:
+    element = {}
+    for lane, it in self._iterators.items():
+      block = next(it)
+      element[lane] = (block, it.get_state())
+    self._states = {lane: state for lane, (_, state) in element.items()}
+    return element
+
+  def get_state(self) -> dict[str, Any]:
+    if self._states is None:
+      self._states = {lane: it.get_state() for lane, it in self._iterators.items()}
+    return dict(self._states)
+
+  def set_state(self, state: Mapping[str, Any]) -> None:
+    for lane, it in self._iterators.items():
+      it.set_state(state[lane])
+    self._states = None
+
+
 class CorpusIterator:
   """This process's rows of global batches `start, start + 1, ...`: its lanes' blocks side
-  by side. `get_state()` holds its lanes' Grain states; `set_state` takes a checkpoint's
-  (all lanes', `gather_state`) or this process's own."""
+  by side, made in `corpus.workers` Grain worker processes (or in this one). `get_state()`
+  holds its lanes' Grain states; `set_state` takes a checkpoint's (all lanes',
+  `gather_state`) or this process's own. The workers start at the first batch read, from
+  the position set last; `close()` stops them."""
 
   def __init__(self, corpus: Corpus, start: int = 0):
     self.corpus = corpus
-    self._iterators = {lane: iter(corpus.lane_dataset(lane)) for lane in corpus.my_lanes}
+    self._states: dict[str, Any] | None = None  # After the last batch; None: the start.
+    self._blocks = None  # The lanes' blocks, started at the first read.
     self._start = start  # Batches to skip at the first `next` unless a state is set.
 
   def __iter__(self) -> CorpusIterator:
     return self
 
+  def _open(self):
+    group = LaneGroup(self.corpus, self.corpus.my_lanes, self._states)
+    if not self.corpus.workers:
+      return iter(group)
+    from absl import flags
+    if not flags.FLAGS.is_parsed():  # Grain's worker start reads its absl flags: unparsed
+      flags.FLAGS.mark_as_parsed()  # (a notebook, a test), they hold their defaults.
+    options = grain.experimental.DatasetOptions(min_shm_size=_QUEUE_BYTES)
+    return iter(grain.experimental.WithOptionsIterDataset(group, options).mp_prefetch(
+        grain.MultiprocessingOptions(num_workers=self.corpus.workers,
+                                     per_worker_buffer_size=self.corpus.worker_buffer),
+        worker_init_fn=functools.partial(_die_with_parent, os.getpid())))
+
   def __next__(self) -> dict[str, np.ndarray]:
+    if self._blocks is None:
+      self._blocks = self._open()
     if self._start:  # No saved position to seek to: read up to the start (O(start)).
       start, self._start = self._start, 0
       for _ in range(start):
         next(self)
-    blocks = [next(it) for it in self._iterators.values()]
+    lanes = {}
+    for _ in range(max(self.corpus.workers, 1)):  # One element from each worker in turn.
+      lanes.update(next(self._blocks))
+    self._states = {lane: state for lane, (_, state) in lanes.items()}
+    blocks = [lanes[str(lane)][0] for lane in self.corpus.my_lanes]
     return {k: np.concatenate([b[k] for b in blocks]) for k in blocks[0]}
 
   def get_state(self) -> dict[str, Any]:
-    return {LANES_KEY: self.corpus.lanes, PROCESS_KEY: True,
-            STATES_KEY: {str(lane): it.get_state() for lane, it in self._iterators.items()}}
+    states = self._states
+    if states is None:  # Nothing read: each lane's start.
+      states = _LaneGroupIterator(self.corpus, self.corpus.my_lanes, None).get_state()
+    return {LANES_KEY: self.corpus.lanes, PROCESS_KEY: True, STATES_KEY: dict(states)}
 
   def set_state(self, state: Mapping[str, Any]) -> None:
     check_state(state, self.corpus.lanes)
     states = state[STATES_KEY]
-    missing = [lane for lane in self._iterators if str(lane) not in states]
+    mine = [str(lane) for lane in self.corpus.my_lanes]
+    missing = [int(lane) for lane in mine if lane not in states]
     if missing:
       raise ValueError(f"the train data state holds lanes {sorted(map(int, states))}; this "
-                       f"process reads lanes {list(self._iterators)} ({missing} missing): a "
-                       f"state of one process's lanes resumes on that process only.")
-    for lane, it in self._iterators.items():
-      it.set_state(states[str(lane)])
+                       f"process reads lanes {list(self.corpus.my_lanes)} ({missing} "
+                       f"missing): a state of one process's lanes resumes on that process "
+                       f"only.")
+    self.close()
+    self._states = {lane: states[lane] for lane in mine}
     self._start = 0
 
   def skipped(self) -> dict[str, int]:
     """Bad records skipped by this process's lanes so far, by kind."""
     return skipped_records(self.get_state())
+
+  def close(self) -> None:
+    """Stops the worker processes (they start again at the next read)."""
+    blocks, self._blocks = self._blocks, None
+    if blocks is not None and hasattr(blocks, "close"):
+      blocks.close()
+
+
+def _die_with_parent(parent: int, worker: int, workers: int) -> None:
+  """In a worker process: ends it when the training process `parent` ends, however it
+  ends. A killed process (SIGKILL, the OOM killer) runs no cleanup, and its workers would
+  wait on their full queues for ever, holding the pipes its launcher reads (Linux;
+  elsewhere nothing)."""
+  del worker, workers
+  import ctypes
+  import signal
+  try:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG.
+  except (OSError, AttributeError):
+    return
+  if os.getppid() != parent:  # The parent had already gone before the call.
+    os._exit(1)
+
+
+def check_workers(workers: Any, worker_buffer: Any, lanes: int) -> None:
+  """Raises unless `workers` worker processes can share `lanes` lanes evenly."""
+  if not isinstance(workers, int) or workers < 0:
+    raise ValueError(f"config.data.workers={workers!r} must be an integer >= 0 (0: read in "
+                     f"the training process).")
+  if not isinstance(worker_buffer, int) or worker_buffer < 1:
+    raise ValueError(f"config.data.worker_buffer={worker_buffer!r} must be an integer >= 1.")
+  if workers and lanes % workers:
+    raise ValueError(f"config.data.workers={workers} does not divide the {lanes} lanes this "
+                     f"process reads: each worker makes an equal share of them. Use a divisor "
+                     f"of {lanes}, or set config.data.lanes.")
 
 
 def check_state(state: Any, lanes: int) -> None:
@@ -258,7 +389,7 @@ def check_config(config: ml_collections.ConfigDict) -> list[TextSource]:
   if not isinstance(data.lanes, int) or data.lanes < 0:
     raise ValueError(f"config.data.lanes={data.lanes!r} must be an integer >= 0 (0: "
                      f"automatic).")
-  lanes_for(config.batch_size, data.lanes)
+  check_workers(data.workers, data.worker_buffer, lanes_for(config.batch_size, data.lanes))
   sources = resolve_sources(config)
   for source in sources:
     corpus_lib.check_schemas(source, data.bad_records)
@@ -299,7 +430,8 @@ def from_config(config, rows: slice = slice(None), epochs: int | None = None) ->
   return Corpus(sources, tokenizer, length=config.seq_len, batch_size=config.batch_size,
                 rows=rows, lanes=data.lanes, layout=data.layout,
                 bad_records=data.bad_records, shuffle_files=data.shuffle_files,
-                seed=config.seed, epochs=epochs, chat=chat)
+                seed=config.seed, epochs=epochs, chat=chat, workers=data.workers,
+                worker_buffer=data.worker_buffer)
 
 
 def eval_batches(config) -> list[dict[str, np.ndarray]]:
