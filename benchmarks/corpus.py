@@ -12,7 +12,8 @@ words, documents of 20-400 words), written once into `--dir`. Printed side by si
    and tokenized in the training process; n: in n Grain worker processes), against
    the tokens/s that the LM example's train step (`configs/lm.py:data_parallel`, 8
    host devices) consumes on this machine, timed on a placed batch. The ratio
-   pipeline / step is the headroom.
+   pipeline / step is the headroom; the reading process's CPU time per batch is what
+   the training process itself spends on data.
 2. **Memory**: the peak RSS of a process that reads `--batches` batches of each
    corpus size in-process (a subprocess each; the same work, only the files' size
    differs).
@@ -80,16 +81,18 @@ def config_for(corpus: str, batch_size: int = 32, seq_len: int = 64, workers: in
   return config
 
 
-def pipeline_tokens_per_second(corpus: str, batches: int, workers: int) -> float:
+def pipeline_tokens_per_second(corpus: str, batches: int, workers: int) -> tuple[float, float]:
+  """(tokens/s, CPU milliseconds the reading process spends per batch)."""
   from trainer.data import lm
   iterator = lm.from_config(config_for(corpus, workers=workers))()
   try:
     next(iterator)  # Workers started, files opened, first rows packed.
-    start, tokens = time.perf_counter(), 0
+    start, cpu, tokens = time.perf_counter(), time.process_time(), 0
     for _ in range(batches):
       batch = next(iterator)
       tokens += int((batch["segment_ids"] > 0).sum())
-    return tokens / (time.perf_counter() - start)
+    cpu_ms = (time.process_time() - cpu) * 1000 / batches
+    return tokens / (time.perf_counter() - start), cpu_ms
   finally:
     iterator.close()
 
@@ -157,9 +160,9 @@ def main():
   print("throughput (tokens/s, one process; pipeline: batch 32 x 64, packed, 8 lanes)")
   print(f"  LM train step (data_parallel, 8 devices)  {step:12.0f}")
   for workers in (int(w) for w in args.workers.split(",")):
-    pipeline = pipeline_tokens_per_second(small, args.batches, workers)
+    pipeline, cpu_ms = pipeline_tokens_per_second(small, args.batches, workers)
     print(f"  pipeline, {workers} worker process(es)      {pipeline:12.0f}   "
-          f"{pipeline / step:6.2f}x the step")
+          f"{pipeline / step:6.2f}x the step   {cpu_ms:6.2f} ms CPU/batch in the reader")
   print(f"peak RSS reading {args.batches} batches")
   base = None
   for mb, path in corpora.items():
