@@ -46,6 +46,17 @@ def test_non_gzip_idx_file_is_named(tmp_path):
     data.prepare("mnist", str(tmp_path / "tfds"), str(manual))
 
 
+def test_prepared_data_reads_no_manual_file(tmp_path, monkeypatch):
+  """Once TFDS holds the data, a run with config.data.manual_dir starts without reading
+  (or checking) the IDX files again."""
+  prepared = []
+  monkeypatch.setattr(tfds.core.DatasetBuilder, "is_prepared", lambda self: True)
+  monkeypatch.setattr(tfds.core.DatasetBuilder, "download_and_prepare",
+                      lambda self, **kwargs: prepared.append(kwargs))
+  data.prepare("mnist", str(tmp_path / "tfds"), str(tmp_path / "no_manual_files"))
+  assert len(prepared) == 1  # TFDS's own call, which returns at once for prepared data.
+
+
 def test_real_files_pass_the_check():
   if not MNIST_DIR.is_dir():
     pytest.skip("real MNIST files not found")

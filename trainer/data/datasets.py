@@ -156,8 +156,9 @@ def _prepare(name: str, data_dir: str | None, manual_dir: str | None,
   builder = _builder(name, data_dir, file_format)
   in_format = {"file_format": file_format} if file_format else {}
   if manual_dir:
-    for filename, (magic, shape) in MANUAL_FILES.get(name, {}).items():
-      check_idx_file(os.path.join(manual_dir, filename), magic, shape)
+    if not builder.is_prepared():  # Prepared data never reads them (each check reads 55 MB).
+      for filename, (magic, shape) in MANUAL_FILES.get(name, {}).items():
+        check_idx_file(os.path.join(manual_dir, filename), magic, shape)
     builder.download_and_prepare(
         download_config=_tfds().download.DownloadConfig(manual_dir=manual_dir), **in_format)
     return builder
