@@ -245,6 +245,7 @@ LONGEST_FIRST = ("test_doc_commands_mnist.py", "test_doc_commands.py", "test_doc
 _TIME_REPORT = os.environ.get("FLAX_TRAINER_TIME_REPORT")
 _CURRENT_FILE = ["(collection)"]
 _TIMES: dict = {}
+_TESTS: dict = {}  # Each test's wall seconds, by its node id.
 
 
 def _count(key: str, value: float = 1.0) -> None:
@@ -270,6 +271,7 @@ def pytest_runtest_protocol(item, nextitem):
   if _TIME_REPORT:
     _count("wall_s", time.perf_counter() - start)
     _count("tests")
+    _TESTS[item.nodeid] = time.perf_counter() - start
 
 
 def pytest_sessionfinish(session):
@@ -279,12 +281,14 @@ def pytest_sessionfinish(session):
   out.mkdir(parents=True, exist_ok=True)
   worker = os.environ.get("PYTEST_XDIST_WORKER")
   if worker:
-    (out / f"{worker}.json").write_text(json.dumps(_TIMES))
+    (out / f"{worker}.json").write_text(json.dumps({"files": _TIMES, "tests": _TESTS}))
     return
   merged: dict = {}
+  tests: dict = {}
   for part in [*out.glob("gw*.json"), *([] if _TIMES.keys() <= {"(collection)"} else [None])]:
-    times = _TIMES if part is None else json.loads(part.read_text())
-    for name, entry in times.items():
+    saved = {"files": _TIMES, "tests": _TESTS} if part is None else json.loads(part.read_text())
+    tests.update(saved["tests"])
+    for name, entry in saved["files"].items():
       for key, value in entry.items():
         merged.setdefault(name, {}).setdefault(key, 0.0)
         merged[name][key] += value
@@ -298,6 +302,9 @@ def pytest_sessionfinish(session):
     lines.append(f"| {name} | {e.get('tests', 0):.0f} | {e.get('wall_s', 0):.1f} | "
                  f"{e.get('compile_s', 0):.1f} | {e.get('compiled', 0):.0f} | "
                  f"{e.get('cache_hits', 0):.0f} |")
+  lines += ["", "| slowest tests | wall s |", "|---|---:|"]
+  lines += [f"| {name} | {seconds:.1f} |"
+            for name, seconds in sorted(tests.items(), key=lambda kv: -kv[1])[:40]]
   (out / "report.md").write_text("\n".join(lines) + "\n")
   (out / "report.json").write_text(json.dumps(merged, indent=1))
 
