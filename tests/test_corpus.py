@@ -221,10 +221,13 @@ def test_a_bad_record_stops_the_run_naming_the_file_and_line_or_is_counted(tmp_p
   message = BAD_LINES.get(kind, (None, "line 3 is not UTF-8 text"))[1]
   source = corpus.resolve(str(path), field="text", weight=1.0, where="sources[0]")
   tokenizer = corpus.Tokenizer(str(root))
-  stop = lm.Corpus([source], tokenizer, length=LENGTH, batch_size=1)()
-  with pytest.raises(corpus.CorpusError, match=rf"bad\.jsonl: {message}.*'skip'"):
-    for _ in range(10):
-      next(stop)
+  # Read in a worker process (one kind: each starts one), the error reaches the run as it is.
+  for workers in (0, 1) if kind == "malformed" else (0,):
+    stop = lm.Corpus([source], tokenizer, length=LENGTH, batch_size=1, workers=workers)()
+    with pytest.raises(corpus.CorpusError, match=rf"bad\.jsonl: {message}.*'skip'"):
+      for _ in range(10):
+        next(stop)
+    stop.close()
   skip = lm.Corpus([source], tokenizer, length=LENGTH, batch_size=1,
                    bad_records="skip")()
   for _ in range(10):  # Three passes over the file: the bad line counted each time.

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import functools
 import os
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -230,6 +231,7 @@ class CorpusIterator:
     self.corpus = corpus
     self._states: dict[str, Any] | None = None  # After the last batch; None: the start.
     self._blocks = None  # The lanes' blocks, started at the first read.
+    self._stop = None  # Stops the workers (`weakref.finalize`), once started.
     self._start = start  # Batches to skip at the first `next` unless a state is set.
 
   def __iter__(self) -> CorpusIterator:
@@ -243,10 +245,15 @@ class CorpusIterator:
     if not flags.FLAGS.is_parsed():  # Grain's worker start reads its absl flags: unparsed
       flags.FLAGS.mark_as_parsed()  # (a notebook, a test), they hold their defaults.
     options = grain.experimental.DatasetOptions(min_shm_size=_QUEUE_BYTES)
-    return iter(grain.experimental.WithOptionsIterDataset(group, options).mp_prefetch(
+    blocks = iter(grain.experimental.WithOptionsIterDataset(group, options).mp_prefetch(
         grain.MultiprocessingOptions(num_workers=self.corpus.workers,
                                      per_worker_buffer_size=self.corpus.worker_buffer),
         worker_init_fn=functools.partial(_die_with_parent, os.getpid())))
+    # Stopped and let go when this iterator goes, or at the latest as the interpreter starts
+    # to exit: later, grain's own cleanup would find its modules half torn down.
+    held = [blocks]
+    self._stop = weakref.finalize(self, _stop_workers, held)
+    return _Held(held)
 
   def __next__(self) -> dict[str, np.ndarray]:
     if self._blocks is None:
@@ -288,9 +295,24 @@ class CorpusIterator:
 
   def close(self) -> None:
     """Stops the worker processes (they start again at the next read)."""
-    blocks, self._blocks = self._blocks, None
-    if blocks is not None and hasattr(blocks, "close"):
-      blocks.close()
+    stop, self._stop, self._blocks = self._stop, None, None
+    if stop is not None:
+      stop()
+
+
+class _Held:
+  """The workers' iterator, through the list `_stop_workers` empties."""
+
+  def __init__(self, held: list):
+    self._held = held
+
+  def __next__(self):
+    return next(self._held[0])
+
+
+def _stop_workers(held: list) -> None:
+  if held:
+    held.pop().close()
 
 
 def _die_with_parent(parent: int, worker: int, workers: int) -> None:
