@@ -89,3 +89,18 @@ def test_the_suites_compiled_programs_land_in_the_cache_whole(tmp_path, monkeypa
   assert written and "program-cache" not in written
   assert sorted(p.name for p in tmp_path.iterdir()) == ["program-cache"]
   assert cache.get("program") == b"x" * 4096
+
+
+def test_the_programs_of_earlier_test_files_are_let_go():
+  """Each loaded XLA:CPU program holds memory mappings, and jax's caches keep every one (an
+  eager op on a new shape is a program too): a worker that ran file after file crashed at
+  the kernel's 65,530. Between files the suite drops them (`conftest._release_programs`)."""
+  import conftest
+  before = conftest._memory_maps()
+  for n in range(1, 41):  # 40 eager programs, as a test file's checks make.
+    (jnp.tanh(jnp.ones((n, 3))) @ jnp.ones((3, n + 1))).block_until_ready()
+  loaded = conftest._memory_maps()
+  conftest._release_programs()
+  after = conftest._memory_maps()
+  assert loaded - before >= 40, (before, loaded)
+  assert after - before < (loaded - before) / 2, (before, loaded, after)
