@@ -45,7 +45,6 @@ import ml_collections  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import tensorflow_datasets as tfds  # noqa: E402
-from jax._src import lru_cache  # noqa: E402
 from tensorflow_datasets.testing import mocking as tfds_mocking  # noqa: E402
 
 import models  # noqa: E402
@@ -54,28 +53,6 @@ from trainer import ClassificationTrainer, Trainer  # noqa: E402
 from trainer import data as data_lib  # noqa: E402
 
 NUM_DEVICES = 8
-
-
-def _put_whole(self, key: str, value: bytes) -> None:
-  """JAX's `LRUCache.put` (jax 0.10) writes an entry in place, so a process that reads it
-  while another is still writing it (the two workers and their subprocesses compile the
-  same programs) deserializes part of an executable, and XLA crashes (a worker's segfault
-  in `compilation_cache.get_executable_and_time` was seen). Here an entry is written to a
-  sibling file and renamed into place: a reader sees all of it or none. With eviction
-  (`jax_compilation_cache_max_size`, not set here) JAX's own write, under its lock."""
-  if self.eviction_enabled:
-    return _jax_put(self, key, value)
-  path = self.path / f"{key}{lru_cache._CACHE_SUFFIX}"
-  if path.exists():
-    return None
-  partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
-  partial.write_bytes(value)
-  os.replace(partial, path)
-  return None
-
-
-_jax_put = lru_cache.LRUCache.put
-lru_cache.LRUCache.put = _put_whole
 
 #: Overrides for jit data parallelism on a 1-D mesh of the 8 devices.
 SHARDED_8 = {"strategy.name": "sharded_data_parallel", "strategy.mesh_shape": (8,),

@@ -72,25 +72,6 @@ def test_a_language_model_run_never_imports_tensorflow(tmp_path):
   assert list(tmp_path.glob("events.out.tfevents.*"))
 
 
-def test_the_suites_compiled_programs_land_in_the_cache_whole(tmp_path, monkeypatch):
-  """A process that reads a cache entry while another writes it sees all of it or nothing
-  (`conftest._put_whole`): the entry's own name is only ever the target of a rename."""
-  from jax._src import lru_cache
-  cache = lru_cache.LRUCache(str(tmp_path), max_size=-1)
-  kind = type(cache.path)  # pathlib's, or etils' where it is installed.
-  written, write = [], kind.write_bytes
-
-  def recorded(path, data):
-    written.append(path.name)
-    return write(path, data)
-
-  monkeypatch.setattr(kind, "write_bytes", recorded)
-  cache.put("program", b"x" * 4096)
-  assert written and "program-cache" not in written
-  assert sorted(p.name for p in tmp_path.iterdir()) == ["program-cache"]
-  assert cache.get("program") == b"x" * 4096
-
-
 def test_the_programs_of_earlier_test_files_are_let_go():
   """Each loaded XLA:CPU program holds memory mappings, and jax's caches keep every one (an
   eager op on a new shape is a program too): a worker that ran file after file crashed at
