@@ -19,16 +19,15 @@ mixed, per process, resumed exactly.
   own rows' lanes, so it reads only its share of the records, and the global batch is
   the same for any number of processes that divides `lanes` (0: the largest divisor of
   `batch_size` up to 8).
-
-A mixture is made per lane after packing (`grain.IterDataset.mix`): each row comes
-from one source, and a source's weight is its share of rows, so of trained tokens
-(up to each row's padding) rather than of documents, whose lengths differ by source.
-
 - `workers`: the lanes are read, tokenized and packed in this many Grain worker
   processes (`grain.IterDataset.mp_prefetch`), each holding `worker_buffer` blocks
   ready ahead of the step; worker `w` makes every `workers`-th of this process's lanes,
   so the batches are the same for any worker count (0: in this process). It must
   divide this process's lanes.
+
+A mixture is made per lane after packing (`grain.IterDataset.mix`): each row comes
+from one source, and a source's weight is its share of rows, so of trained tokens
+(up to each row's padding) rather than of documents, whose lengths differ by source.
 
 Resuming: the iterator's state is every lane's Grain state (`get_state`), which
 the loop saves with each checkpoint; restoring seeks each lane's files to where it
