@@ -26,7 +26,7 @@ TEST_XLA_FLAGS = ("--xla_force_host_platform_device_count=8",
 os.environ["XLA_FLAGS"] = " ".join(
     [os.environ.get("XLA_FLAGS", ""), *TEST_XLA_FLAGS]).strip()
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-# JAX's persistent compilation cache, shared by both xdist workers and every subprocess the
+# JAX's persistent compilation cache, shared by every xdist worker and every subprocess the
 # tests start (README commands, launched processes inherit the environment): the same
 # programs (a CNN step under a strategy, an example's eval step) compile once per machine.
 # Entries are keyed by the program, jax version and compile options, so a stale one is
@@ -174,7 +174,7 @@ class RealMnistRun:
 
 @pytest.fixture(scope="session")
 def real_mnist_run(doc_runner) -> RealMnistRun:
-  """The README's first command on the real MNIST files, 200 steps, once per session.
+  """The README's first command on the real MNIST files, 150 steps, once per session.
 
   Installing is what CI's own `.ci/run` does; this runs what the command
   then runs: the flagship example with `--config.data.manual_dir` pointing at
@@ -197,7 +197,7 @@ def real_mnist_run(doc_runner) -> RealMnistRun:
     if saved.exists():
       result = subprocess.CompletedProcess(**json.loads(saved.read_text()))
     else:
-      result = doc_runner.run(command, extra=["--config.num_train_steps=200",
+      result = doc_runner.run(command, extra=["--config.num_train_steps=150",
                                                  "--config.log_every_steps=50"])
       saved.write_text(json.dumps({"args": result.args, "returncode": result.returncode,
                                    "stdout": result.stdout, "stderr": result.stderr}))
@@ -207,7 +207,7 @@ def real_mnist_run(doc_runner) -> RealMnistRun:
 # -- Order: the longest files first ------------------------------------------------------------
 
 #: Files that take minutes, longest first. Without xdist (`-n 0`) they run first; under
-#: `pytest -n 2 --dist loadfile` xdist 3 hands whole files out by their number of tests
+#: `pytest -n 3 --dist loadfile` xdist 3 hands whole files out by their number of tests
 #: instead, which measured faster here (14:53 against 15:47 from a fresh clone with an
 #: empty compilation cache): it runs the long multi-process files beside short ones rather
 #: than two at once on 2 cores.
@@ -303,7 +303,7 @@ def pytest_sessionfinish(session):
   lines = ["| file | tests | wall s | compile s | programs (compiled or from the cache) "
            "| of them from the cache | memory maps at its start |",
            "|---|---:|---:|---:|---:|---:|---:|"]
-  for name, e in [*rows, ("all (both workers' sum)", total)]:
+  for name, e in [*rows, ("all (the workers' sum)", total)]:
     lines.append(f"| {name} | {e.get('tests', 0):.0f} | {e.get('wall_s', 0):.1f} | "
                  f"{e.get('compile_s', 0):.1f} | {e.get('compiled', 0):.0f} | "
                  f"{e.get('cache_hits', 0):.0f} | {e.get('maps_at_start', 0):.0f} |")

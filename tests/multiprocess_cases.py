@@ -96,7 +96,7 @@ def config_of(case: str) -> ml_collections.ConfigDict:
     config.spikes.skip, config.spikes.window, config.spikes.warmup = True, 8, 3
     # A save that fails on one process leaves the others in orbax's barrier: the watchdog
     # ends the hang (exit 75) and the launcher restarts the job.
-    config.watchdog_seconds, config.watchdog_slow_seconds = 20.0, 40.0
+    config.watchdog_seconds, config.watchdog_slow_seconds = 10.0, 15.0
     return config
   if case == "grain_dp":  # Data parallel over all 8 devices: each process reads its block.
     return _image_config(**{"strategy.name": "sharded_data_parallel",
