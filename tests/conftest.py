@@ -207,7 +207,7 @@ def real_mnist_run(doc_runner) -> RealMnistRun:
 # -- Order: the longest files first ------------------------------------------------------------
 
 #: Files that take minutes, longest first. Without xdist (`-n 0`) they run first; under
-#: `pytest -n 3 --dist loadfile` xdist 3 hands whole files out by their number of tests
+#: `pytest -n 2 --dist loadfile` xdist 3 hands whole files out by their number of tests
 #: instead, which measured faster here (14:53 against 15:47 from a fresh clone with an
 #: empty compilation cache): it runs the long multi-process files beside short ones rather
 #: than two at once on 2 cores.
