@@ -234,9 +234,20 @@ def _count(key: str, value: float = 1.0) -> None:
   entry[key] = entry.get(key, 0.0) + value
 
 
+_PROGRAMS: dict = {}  # By program name: [times compiled or read back, their seconds].
+
+
+def _compiled(seconds: float, fun_name: str = "?") -> None:
+  _count("compile_s", seconds)
+  _count("compiled")
+  entry = _PROGRAMS.setdefault(fun_name, [0, 0.0])
+  entry[0] += 1
+  entry[1] += seconds
+
+
 if _TIME_REPORT:
   jax.monitoring.register_event_duration_secs_listener(
-      lambda event, seconds, **_: (_count("compile_s", seconds), _count("compiled"))
+      lambda event, seconds, **kw: _compiled(seconds, kw.get("fun_name", "?"))
       if event == "/jax/core/compile/backend_compile_duration" else None)
   jax.monitoring.register_event_listener(
       lambda event, **_: _count("cache_hits")
@@ -286,13 +297,20 @@ def pytest_sessionfinish(session):
   out.mkdir(parents=True, exist_ok=True)
   worker = os.environ.get("PYTEST_XDIST_WORKER")
   if worker:
-    (out / f"{worker}.json").write_text(json.dumps({"files": _TIMES, "tests": _TESTS}))
+    (out / f"{worker}.json").write_text(json.dumps({"files": _TIMES, "tests": _TESTS,
+                                                    "programs": _PROGRAMS}))
     return
   merged: dict = {}
   tests: dict = {}
+  programs: dict = {}
   for part in [*out.glob("gw*.json"), *([] if _TIMES.keys() <= {"(collection)"} else [None])]:
-    saved = {"files": _TIMES, "tests": _TESTS} if part is None else json.loads(part.read_text())
+    saved = ({"files": _TIMES, "tests": _TESTS, "programs": _PROGRAMS} if part is None
+             else json.loads(part.read_text()))
     tests.update(saved["tests"])
+    for name, (count, seconds) in saved.get("programs", {}).items():
+      entry = programs.setdefault(name, [0, 0.0])
+      entry[0] += count
+      entry[1] += seconds
     for name, entry in saved["files"].items():
       for key, value in entry.items():
         merged.setdefault(name, {}).setdefault(key, 0.0)
@@ -310,6 +328,10 @@ def pytest_sessionfinish(session):
   lines += ["", "| slowest tests | wall s |", "|---|---:|"]
   lines += [f"| {name} | {seconds:.1f} |"
             for name, seconds in sorted(tests.items(), key=lambda kv: -kv[1])[:40]]
+  lines += ["", "| programs, by name (in the pytest processes) | compiled or read back | seconds |",
+            "|---|---:|---:|"]
+  lines += [f"| {name} | {count} | {seconds:.1f} |"
+            for name, (count, seconds) in sorted(programs.items(), key=lambda kv: -kv[1][1])[:30]]
   (out / "report.md").write_text("\n".join(lines) + "\n")
   (out / "report.json").write_text(json.dumps(merged, indent=1))
 

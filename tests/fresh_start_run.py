@@ -24,7 +24,11 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]
 
+import process_cache  # noqa: E402
+
 from trainer.distributed import devices  # noqa: E402
+
+process_cache.every_process_writes()
 
 WAYS = ("workdir", "checkpointer", "existing", "stale_view")
 NUM_STEPS = 2

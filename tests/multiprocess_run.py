@@ -17,7 +17,11 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]
 
+import process_cache  # noqa: E402
+
 from trainer.distributed import devices  # noqa: E402
+
+process_cache.every_process_writes()
 
 
 def main() -> None:
