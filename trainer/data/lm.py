@@ -190,6 +190,11 @@ class LaneGroup(grain.IterDataset):
     return _LaneGroupIterator(self.corpus, self.lanes, self.states)
 
 
+def _lane_states(element: Mapping[str, tuple[Any, Any]]) -> dict[str, Any]:
+  """The Grain state of each lane of a lane group's element (`{lane: (block, state)}`)."""
+  return {lane: state for lane, (_, state) in element.items()}
+
+
 class _LaneGroupIterator(grain.DatasetIterator):
 
   def __init__(self, corpus: Corpus, lanes: Sequence[int], states: Mapping[str, Any] | None):
@@ -205,7 +210,7 @@ class _LaneGroupIterator(grain.DatasetIterator):
     for lane, it in self._iterators.items():
       block = next(it)
       element[lane] = (block, it.get_state())
-    self._states = {lane: state for lane, (_, state) in element.items()}
+    self._states = _lane_states(element)
     return element
 
   def get_state(self) -> dict[str, Any]:
@@ -264,7 +269,7 @@ class CorpusIterator:
     lanes = {}
     for _ in range(max(self.corpus.workers, 1)):  # One element from each worker in turn.
       lanes.update(next(self._blocks))
-    self._states = {lane: state for lane, (_, state) in lanes.items()}
+    self._states = _lane_states(lanes)
     blocks = [lanes[str(lane)][0] for lane in self.corpus.my_lanes]
     return {k: np.concatenate([b[k] for b in blocks]) for k in blocks[0]}
 
