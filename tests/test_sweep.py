@@ -72,12 +72,29 @@ def test_each_member_is_the_single_device_run_of_its_hyperparameters(layout):
   assert not np.allclose(first[0], first[-1])
 
 
-def test_results_by_label_the_best_member_and_its_export(tmp_path):
+class _Counted:
+  """A compiled step that counts its calls (and lowers as the step does)."""
+
+  def __init__(self, fn):
+    self.fn, self.calls = fn, 0
+
+  def __call__(self, *args):
+    self.calls += 1
+    return self.fn(*args)
+
+  def __getattr__(self, name):
+    return getattr(self.fn, name)
+
+
+def test_results_by_label_the_best_member_and_its_export(tmp_path, monkeypatch):
   overrides = {**LAYOUTS["sharded_4_per_device"], "sweep.metric": "accuracy",
                "sweep.mode": "max", "eval_every_steps": 2}
   config = _config(**overrides)
   trainer = FlaxStyleTrainer(config)
   batches = image_batches(8, 16)
+  compiled_eval, counted = trainer.compiled.eval, {}
+  monkeypatch.setattr(trainer.compiled, "eval", lambda state: counted.setdefault(
+      "step", _Counted(compiled_eval(state))))
   workdir = tmp_path / "sweep"
   writer = writers.create_writer(str(workdir))
   checkpointer = Checkpointer(workdir / "checkpoints", every_steps=0)
@@ -98,6 +115,16 @@ def test_results_by_label_the_best_member_and_its_export(tmp_path):
   assert summary["best"]["member"] == int(np.argmax(accuracies))
   assert summary["best"]["label"] == labels[summary["best"]["member"]]
   assert result.best == (4, max(accuracies))
+  # Each evaluation ran the eval step once per chunk: the report's member metrics and
+  # `Evaluate`'s ensemble metrics (equal to evaluating the final state again) share a pass.
+  chunks = sum(len(list(trainer.evaluator.chunks(b))) for b in image_batches(2, 16, seed=9))
+  assert counted["step"].calls == 2 * chunks
+  (final,) = [r for r in rows if r["split"] == "eval" and r["step"] == 4]
+  again = trainer.evaluate(result.state, image_batches(2, 16, seed=9))
+  assert counted["step"].calls == 3 * chunks  # A plain iterable is evaluated anew.
+  assert again.keys() <= final.keys()
+  for name, value in again.items():
+    np.testing.assert_allclose(final[name], value, rtol=1e-6, err_msg=name)
 
   # The best member as a single model: it restores under other strategies and resumes.
   best = summary["best"]["member"]

@@ -9,6 +9,7 @@ that do not depend on `eval_batch_size` or the strategy.
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
@@ -77,6 +78,7 @@ class Evaluator:
     unit = strategy.batch_multiple  # The data replicas (times a pipeline's microbatches).
     self._padded_size = -(-eval_batch_size // unit) * unit
     self._traced = False
+    self._last_pass: tuple[Callable, weakref.ref, list] | None = None  # See `one_set`.
 
   def chunks(self, batch: Batch) -> Iterator[tuple[dict[str, np.ndarray], int]]:
     """`(padded chunk, real examples)` for `eval_batch_size` slices of a host batch."""
@@ -136,7 +138,35 @@ class Evaluator:
       results.append(own or scalars)
     return results
 
+  def one_set(self, eval_batches: Callable[[], Iterable[Batch]]
+              ) -> Callable[[], Iterable[Batch]]:
+    """`eval_batches` known as one eval set: a second evaluation of the same state on it
+    (a sweep's per-member report right after `Evaluate`'s ensemble metrics) reuses the
+    first one's eval-step outputs instead of running the eval step over every batch again.
+
+    Each call still gives a fresh iterable; `eval_batches()` is called only when one is
+    iterated. The outputs kept are the last pass's per-chunk metrics, held until the next
+    pass; the state is held weakly.
+    """
+    def batches() -> Iterable[Batch]:
+      return _SetBatches(eval_batches, source=batches)
+    return batches
+
   def _eval_outputs(self, state, batches: Iterable[Batch]) -> list:
+    source = getattr(batches, "source", None)
+    if source is not None and self._last_pass is not None:
+      last_source, last_state, outputs = self._last_pass
+      if last_source is source and last_state() is state:
+        return outputs
+    outputs = self._run_eval(state, batches)
+    if source is not None:
+      try:
+        self._last_pass = (source, weakref.ref(state), outputs)
+      except TypeError:  # A state that cannot be referenced weakly is evaluated each time.
+        self._last_pass = None
+    return outputs
+
+  def _run_eval(self, state, batches: Iterable[Batch]) -> list:
     step_fn = self.compiled.eval(state)
     outputs = []
     for batch in batches:
@@ -158,3 +188,13 @@ class Evaluator:
     parts = [jax.tree.map(lambda x, n=real: x[:n], self.strategy.outputs_to_host(out))
              for out, real in zip(outputs, sizes, strict=True)]
     return jax.tree.map(lambda *xs: np.concatenate(xs), *parts)
+
+
+class _SetBatches:
+  """A fresh iterable of an eval set's batches (`Evaluator.one_set`), naming its set."""
+
+  def __init__(self, eval_batches: Callable[[], Iterable[Batch]], source: Callable):
+    self._eval_batches, self.source = eval_batches, source
+
+  def __iter__(self) -> Iterator[Batch]:
+    return iter(self._eval_batches())

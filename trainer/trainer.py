@@ -263,6 +263,9 @@ class Trainer(abc.ABC):
     if writer is None:
       from trainer.writers import LoggingWriter
       writer = LoggingWriter()
+    if self.sweep is not None and eval_batches is not None:
+      # The sweep's report evaluates each member right after `Evaluate`: one eval pass.
+      eval_batches = self.evaluator.one_set(eval_batches)
     after_eval = [] if self.sweep is None else sweep_lib.actions(
         self.sweep, self.config, strategy=self.strategy, writer=writer,
         evaluate_members=self.evaluator.evaluate_members, eval_batches=eval_batches,
