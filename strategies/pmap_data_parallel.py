@@ -10,7 +10,7 @@ import ml_collections
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from strategies.base import InitFn, PyTree, StepFn, Strategy
+from strategies.base import InitFn, PyTree, StepFn, Strategy, init_compiler_options
 from strategies.mesh import BATCH_AXIS, OneProcess
 from strategies.registry import register
 from strategies.tree import abstract_with_sharding
@@ -53,7 +53,7 @@ class PmapDataParallel(OneProcess, Strategy):
     return len(self.devices)
 
   def create_state(self, init_fn: InitFn, rng: jax.Array) -> PyTree:
-    state = jax.jit(init_fn)(rng)
+    state = jax.jit(init_fn, compiler_options=init_compiler_options(self.devices[:1]))(rng)
     # Placed on the step's own axis name: pmap keys its cache on input shardings,
     # so any other name would compile the step a second time.
     return flax.jax_utils.replicate(state, devices=self.devices, axis_name=AXIS)

@@ -7,7 +7,7 @@ import ml_collections
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from strategies.base import InitFn, PyTree, StepFn, Strategy
+from strategies.base import InitFn, PyTree, StepFn, Strategy, init_compiler_options
 from strategies.capabilities import Ensemble, ensemble_size, sweep_seeds
 from strategies.mesh import OneProcess
 from strategies.registry import register
@@ -57,7 +57,9 @@ class PmapEnsemble(Ensemble, OneProcess, Strategy):
   def create_state(self, init_fn: InitFn, rng: jax.Array) -> PyTree:
     rngs = self.member_rngs(rng)
     # Same axis name as the steps, so the first step reuses the compiled program.
-    return jax.pmap(init_fn, axis_name=AXIS, devices=self.devices)(rngs)
+    init = jax.pmap(init_fn, axis_name=AXIS, devices=self.devices)
+    return init.lower(rngs).compile(
+        compiler_options=init_compiler_options(self.devices))(rngs)
 
   def put_batch(self, batch: PyTree) -> PyTree:
     return jax.device_put(batch, self._replicated)

@@ -21,7 +21,7 @@ from strategies import context as context_lib
 from strategies import expert as expert_lib
 from strategies import layout
 from strategies import pipeline as pipelining
-from strategies.base import InitFn, PyTree, StepFn, Strategy
+from strategies.base import InitFn, PyTree, StepFn, Strategy, init_compiler_options
 from strategies.layout import LogicalRules, check_rules  # noqa: F401 -- their old home.
 from strategies.mesh import GlobalMeshBatch
 from strategies.registry import register
@@ -216,7 +216,9 @@ class ShardedDataParallel(GlobalMeshBatch, Strategy):
     with self._context():
       if init_fn not in self._inits:
         shardings = self.state_shardings(jax.eval_shape(init_fn, rng))
-        self._inits[init_fn] = jax.jit(init_fn, out_shardings=shardings)
+        self._inits[init_fn] = jax.jit(
+            init_fn, out_shardings=shardings,
+            compiler_options=init_compiler_options(self.mesh.devices.flat))
       return self._inits[init_fn](rng)
 
   def constrain_batch(self, tree: PyTree, *, batch_dim: int = 0) -> PyTree:

@@ -20,7 +20,7 @@ import ml_collections
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from strategies.base import InitFn, PyTree, StepFn, Strategy
+from strategies.base import InitFn, PyTree, StepFn, Strategy, init_compiler_options
 from strategies.capabilities import Ensemble, ensemble_size, sweep_seeds
 from strategies.mesh import BATCH_AXIS, GlobalMeshBatch
 from strategies.registry import register
@@ -130,7 +130,8 @@ class ShardedEnsemble(Ensemble, GlobalMeshBatch, Strategy):
     rngs = self.member_rngs(rng)
     init = (jax.vmap(init_fn) if self.loop == "vmap"
             else lambda r: jax.lax.map(init_fn, r))
-    return jax.jit(init, out_shardings=self._member_sharding)(rngs)
+    return jax.jit(init, out_shardings=self._member_sharding,
+                   compiler_options=init_compiler_options(self.mesh.devices.flat))(rngs)
 
   def _compile(self, fn: StepFn, loop: str, out_specs, **jit_kwargs) -> StepFn:
     per_device = jax.shard_map(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import ml_collections
 
-from strategies.base import InitFn, PyTree, StepFn, Strategy
+from strategies.base import InitFn, PyTree, StepFn, Strategy, init_compiler_options
 from strategies.mesh import OneProcess
 from strategies.registry import register
 from strategies.tree import abstract_with_sharding
@@ -32,7 +32,8 @@ class SingleDevice(OneProcess, Strategy):
     return 1
 
   def create_state(self, init_fn: InitFn, rng: jax.Array) -> PyTree:
-    return jax.jit(init_fn, out_shardings=jax.sharding.SingleDeviceSharding(self.device))(rng)
+    return jax.jit(init_fn, out_shardings=jax.sharding.SingleDeviceSharding(self.device),
+                   compiler_options=init_compiler_options([self.device]))(rng)
 
   def put_batch(self, batch: PyTree) -> PyTree:
     return jax.device_put(batch, self.device)

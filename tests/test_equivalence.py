@@ -6,6 +6,7 @@ several steps on the same global batches, within the float32 noise of the comput
 (`tests/numerics.py`: the single-device run from a perturbed init is the yardstick).
 """
 
+import jax
 import numerics
 import numpy as np
 import pytest
@@ -18,8 +19,12 @@ from conftest import (
   mlp_config,
   vector_batches,
 )
+from small_configs import tiny_lm_config
 
 from configs import mlp_sharded
+from strategies import Ensemble
+from strategies.base import CPU_INIT_COMPILER_OPTIONS, init_compiler_options
+from trainer import LanguageModelTrainer
 
 STEPS = 4
 
@@ -86,3 +91,47 @@ def _initial_params(model):
   trainer_cls, make_config, make_batches = MODELS[model]
   trainer = trainer_cls(make_config(**{"strategy.name": "single_device"}))
   return leaves(trainer.init_state(make_batches()[0]).params)
+
+
+# -- A state's init program -----------------------------------------------------------------
+
+INITS = {
+    # A Linen CNN (truncated-normal kernels, zero biases) under data and ensemble layouts.
+    "cnn-single_device": (CNNTrainer, cnn_config, {"strategy.name": "single_device"}),
+    "cnn-pmap_data_parallel": (CNNTrainer, cnn_config, {"strategy.name": "pmap_data_parallel"}),
+    "cnn-pmap_ensemble": (CNNTrainer, cnn_config, {"strategy.name": "pmap_ensemble",
+                                                   "ensemble_size": 8}),
+    "cnn-sharded_ensemble": (CNNTrainer, cnn_config, {
+        "strategy.name": "sharded_ensemble", "ensemble_size": 8,
+        "strategy.ensemble_mesh_shape": (4, 2)}),
+    # The project's decoder (normal embeddings, scaled projections), every weight sharded.
+    "lm-fsdp": (LanguageModelTrainer, lambda **kw: tiny_lm_config("fsdp", **kw), {}),
+}
+
+
+@pytest.mark.parametrize("case", sorted(INITS))
+def test_a_state_holds_the_values_of_its_init_compiled_at_xlas_defaults(case):
+  """On XLA:CPU a state's init program compiles at LLVM's optimization level 1
+  (`strategies.base.init_compiler_options`: it runs once). Its values are those of the
+  same program compiled with XLA's defaults, to the bit: without fast math, what level 3
+  adds (vectorizing, unrolling) reorders no floating-point operation."""
+  trainer_cls, make_config, overrides = INITS[case]
+  trainer = trainer_cls(make_config(**overrides))
+  strategy = trainer.strategy
+  if case.startswith("lm"):
+    batch = {"inputs": np.zeros((16, 16), np.int32), "targets": np.zeros((16, 16), np.int32)}
+  else:
+    batch = image_batches(1, 16)[0]
+  assert init_compiler_options(jax.devices()) == CPU_INIT_COMPILER_OPTIONS
+  rng = jax.random.PRNGKey(trainer.config.seed)
+  got = strategy.to_canonical(trainer.init_state(batch).params)
+  init_fn = trainer.states.steps.init_fn(batch)
+  if isinstance(strategy, Ensemble):
+    members = [jax.jit(init_fn)(r).params for r in strategy.member_rngs(rng)]
+    want = jax.tree.map(lambda *xs: np.stack(xs), *members)
+  else:
+    want = jax.jit(init_fn)(rng).params
+  for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(want), leaves(got),
+                          strict=True):
+    np.testing.assert_array_equal(np.asarray(b), np.asarray(a), err_msg=jax.tree_util.keystr(path))
+  assert any(np.asarray(a).std() > 0 for a in leaves(got))  # Random, not all zeros.

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import ml_collections
 
 from strategies import Strategy
+from strategies.base import init_compiler_options
 from trainer.checkpoint import Checkpointer, RunState, init_from, restore_run
 from trainer.step.functions import StepFunctions
 from trainer.step.recipe import Recipe
@@ -97,7 +98,8 @@ class States:
       finally:
         self.strategy.member_seeds = saved
     if self._init_members is None:  # Compiled once: a refill costs an init, not a compile.
-      self._init_members = jax.jit(jax.vmap(self.steps.init_fn(self._example)))
+      self._init_members = jax.jit(jax.vmap(self.steps.init_fn(self._example)),
+                                   compiler_options=init_compiler_options(jax.devices()[:1]))
     return self._init_members(jnp.stack([jax.random.PRNGKey(s) for s in seeds]))
 
   def _fresh(self, params: PyTree, model_state: PyTree, rng: jax.Array) -> PyTree:
