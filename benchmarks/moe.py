@@ -1,7 +1,7 @@
 r"""What a mixture of experts costs per step: grouped products (`jax.lax.ragged_dot`) against
 dense one-hot einsum dispatch, and against the dense model of the same active parameters.
 
-    python benchmarks/moe.py [--experts 8,32] [--seq 256] [--batch 8] [--rounds 3]
+    python benchmarks/moe.py [--experts 8,32] [--seq 256] [--batch 8] [--rounds 3] [--runs ...]
 
 For each expert count (top-2): the transformer LM of `configs/lm.py` (2 layers, width
 128, 8 heads) with SwiGLU experts of width 256 in every block, trained on one device:
@@ -37,6 +37,10 @@ def main():
   parser.add_argument("--expert-width", type=int, default=256)
   parser.add_argument("--rounds", type=int, default=3)
   parser.add_argument("--block-seconds", type=float, default=1.0)
+  parser.add_argument("--runs", default="",
+                      help="comma-separated runs besides `dense` (the baseline, always "
+                           "run): 'ragged dropless', 'ragged capacity 1.25', "
+                           "'einsum capacity 1.25'; empty: all")
   args = parser.parse_args()
   import jax
   from mnist_setup import compiled_run, rotating_rounds
@@ -59,6 +63,13 @@ def main():
         "einsum capacity 1.25": dict(num_experts=experts, capacity_factor=1.25,
                                      moe_dispatch="einsum"),
     }
+    chosen = [r.strip() for r in args.runs.split(",") if r.strip()]
+    unknown = sorted(set(chosen) - set(variants))
+    if unknown:
+      parser.error(f"--runs={args.runs!r}: {unknown} are not runs; the runs are "
+                   f"{sorted(variants)}")
+    if chosen:
+      variants = {name: f for name, f in variants.items() if name == "dense" or name in chosen}
     runs, temp = {}, {}
     for name, fields in variants.items():
       config = lm.get_config("data_parallel")

@@ -1,6 +1,7 @@
 r"""MNIST CNN train-step time under each strategy, against single_device in the same run.
 
-    python benchmarks/strategy_step_time.py [--devices 8] [--steps 30] [--batch 128]
+    python benchmarks/strategy_step_time.py [--devices 8] [--steps 30] [--batch 128] \
+        [--strategies pmap_data_parallel,...]
 
 Batches are random MNIST-shaped arrays (the step's cost does not depend on the
 values). Each strategy is compiled and warmed up, then timed over `--steps`
@@ -18,13 +19,22 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+#: The strategies timed, the baseline first.
+STRATEGIES = ("single_device", "pmap_data_parallel", "sharded_data_parallel", "pmap_ensemble")
+
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--devices", type=int, default=8, help="host CPU devices to make")
   parser.add_argument("--steps", type=int, default=30)
   parser.add_argument("--batch", type=int, default=128)
+  parser.add_argument("--strategies", default=",".join(STRATEGIES[1:]),
+                      help="the strategies timed besides single_device (the baseline, always "
+                           "timed first)")
   args = parser.parse_args()
+  chosen = [s.strip() for s in args.strategies.split(",") if s.strip()]
+  if unknown := sorted(set(chosen) - set(STRATEGIES)):
+    parser.error(f"--strategies={args.strategies!r}: {unknown} are not among {STRATEGIES}")
 
   from trainer.distributed.devices import set_num_cpu_devices
   set_num_cpu_devices(args.devices)
@@ -42,7 +52,7 @@ def main():
         f"batch {args.batch}, {args.steps} timed steps")
 
   rows = []
-  for name in ["single_device", "pmap_data_parallel", "sharded_data_parallel", "pmap_ensemble"]:
+  for name in [STRATEGIES[0]] + [s for s in STRATEGIES[1:] if s in chosen]:
     config = mnist_ensemble.get_config()
     config.strategy.name = name
     config.ensemble_size = n

@@ -42,7 +42,9 @@ FEW_STEPS = {
     "examples/transformer_lm.py": [
         "--config.num_train_steps=2", "--config.log_every_steps=1",
         "--config.eval_every_steps=0", "--config.schedule.warmup_steps=0"],
-    "benchmarks/strategy_step_time.py": ["--steps", "1", "--batch", "16"],
+    # The row the output check reads, beside its single_device baseline.
+    "benchmarks/strategy_step_time.py": ["--steps", "1", "--batch", "16", "--strategies",
+                                         "pmap_ensemble"],
     # The 4-members-on-one-device comparison: the 8-device one compiles 8-member programs.
     "benchmarks/ensemble_step_time.py": ["--steps", "1", "--repeats", "1", "--batch", "16",
                                          "--groups", "4on1"],
@@ -95,8 +97,10 @@ FEW_STEPS = {
                             "--steps-per-call", "2", "--runs", "optimize,program",
                             "--keep-cache", "--config.data.train_split=train[:512]",
                             "--config.data.eval_split=test[:200]"],
+    # The einsum row the output check reads, beside its dense baseline.
     "benchmarks/moe.py": ["--experts", "8", "--seq", "16", "--batch", "2", "--embed", "32",
-                          "--expert-width", "32", "--rounds", "1", "--block-seconds", "0"],
+                          "--expert-width", "32", "--rounds", "1", "--block-seconds", "0",
+                          "--runs", "einsum capacity 1.25"],
     # Without a GPU the script runs its smoke sizes; two stages (each stage's script
     # runs on its own above).
     "benchmarks/gpu.py": ["--only", "attention,sweep"],
