@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import ml_collections
 import numpy as np
@@ -43,6 +45,7 @@ class PmapEnsemble(Ensemble, OneProcess, Strategy):
     mesh = Mesh(np.array(self.devices), (AXIS,))
     self._replicated = NamedSharding(mesh, PartitionSpec())
     self._per_member = NamedSharding(mesh, PartitionSpec(AXIS))
+    self._inits: dict[InitFn, Callable] = {}  # create_state's compiled init programs.
 
   @classmethod
   def from_config(cls, config: ml_collections.ConfigDict) -> PmapEnsemble:
@@ -56,10 +59,12 @@ class PmapEnsemble(Ensemble, OneProcess, Strategy):
 
   def create_state(self, init_fn: InitFn, rng: jax.Array) -> PyTree:
     rngs = self.member_rngs(rng)
-    # Same axis name as the steps, so the first step reuses the compiled program.
-    init = jax.pmap(init_fn, axis_name=AXIS, devices=self.devices)
-    return init.lower(rngs).compile(
-        compiler_options=init_compiler_options(self.devices))(rngs)
+    if init_fn not in self._inits:  # Compiled once per init_fn, as a pmap call would be.
+      # Same axis name as the steps, so the first step reuses the compiled program.
+      init = jax.pmap(init_fn, axis_name=AXIS, devices=self.devices)
+      self._inits[init_fn] = init.lower(rngs).compile(
+          compiler_options=init_compiler_options(self.devices))
+    return self._inits[init_fn](rngs)
 
   def put_batch(self, batch: PyTree) -> PyTree:
     return jax.device_put(batch, self._replicated)
