@@ -27,6 +27,11 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+import choices  # noqa: E402  (benchmarks/, the script's own directory)
+
+#: The runs, the baseline first (`--runs` picks among the others).
+RUNS = ("dense", "ragged dropless", "ragged capacity 1.25", "einsum capacity 1.25")
+
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -37,11 +42,11 @@ def main():
   parser.add_argument("--expert-width", type=int, default=256)
   parser.add_argument("--rounds", type=int, default=3)
   parser.add_argument("--block-seconds", type=float, default=1.0)
-  parser.add_argument("--runs", default="",
-                      help="comma-separated runs besides `dense` (the baseline, always "
-                           "run): 'ragged dropless', 'ragged capacity 1.25', "
-                           "'einsum capacity 1.25'; empty: all")
+  parser.add_argument("--runs", default=",".join(RUNS[1:]),
+                      help=f"comma-separated runs besides `dense` (the baseline, always "
+                           f"run) among {list(RUNS[1:])}")
   args = parser.parse_args()
+  runs_chosen = choices.rows(parser, "--runs", args.runs, RUNS, baseline="dense")
   import jax
   from mnist_setup import compiled_run, rotating_rounds
 
@@ -63,13 +68,7 @@ def main():
         "einsum capacity 1.25": dict(num_experts=experts, capacity_factor=1.25,
                                      moe_dispatch="einsum"),
     }
-    chosen = [r.strip() for r in args.runs.split(",") if r.strip()]
-    unknown = sorted(set(chosen) - set(variants))
-    if unknown:
-      parser.error(f"--runs={args.runs!r}: {unknown} are not runs; the runs are "
-                   f"{sorted(variants)}")
-    if chosen:
-      variants = {name: f for name, f in variants.items() if name == "dense" or name in chosen}
+    variants = {name: variants[name] for name in runs_chosen}
     runs, temp = {}, {}
     for name, fields in variants.items():
       config = lm.get_config("data_parallel")

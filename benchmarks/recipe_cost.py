@@ -26,6 +26,8 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+import choices  # noqa: E402  (benchmarks/, the script's own directory)
+
 VARIANTS = {
     "plain": {},
     "accum2-scan": {"grad_accum_steps": 2, "grad_accum_loop": "scan"},
@@ -96,10 +98,7 @@ def main():
   import jax
   from mnist_setup import compiled_run, rotating_rounds
 
-  variants = ["plain"] + [v for v in args.variants.split(",") if v != "plain"]
-  if set(variants) - set(VARIANTS):
-    parser.error(f"--variants: {sorted(set(variants) - set(VARIANTS))} not among "
-                 f"{list(VARIANTS)}")
+  variants = choices.rows(parser, "--variants", args.variants, VARIANTS, baseline="plain")
   print(f"{jax.device_count()} {jax.devices()[0].platform} devices, {args.rounds} rounds")
   print(f"{'workload':<40} {'variant':<15} {'s/step':>8} {'vs plain':>9} {'middle half':>13} "
         f"{'temp MiB':>9}")

@@ -21,6 +21,8 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+import choices  # noqa: E402  (benchmarks/, the script's own directory)
+
 BLOCKS = ("DecoderBlock",)
 VARIANTS = {
     "none": {},
@@ -63,10 +65,7 @@ def main():
   from trainer import LanguageModelTrainer
   from trainer.language_model import synthetic_token_batches
 
-  variants = ["none"] + [v for v in args.variants.split(",") if v != "none"]
-  if set(variants) - set(VARIANTS):
-    parser.error(f"--variants: {sorted(set(variants) - set(VARIANTS))} not among "
-                 f"{list(VARIANTS)}")
+  variants = choices.rows(parser, "--variants", args.variants, VARIANTS, baseline="none")
   base = lm.get_config("data_parallel")
   base.update_from_flattened_dict(SIZES[args.size])
   base.strategy.name = "single_device"

@@ -19,6 +19,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+import choices  # noqa: E402  (benchmarks/, the script's own directory)
+
 #: The strategies timed, the baseline first.
 STRATEGIES = ("single_device", "pmap_data_parallel", "sharded_data_parallel", "pmap_ensemble")
 
@@ -32,9 +34,8 @@ def main():
                       help="the strategies timed besides single_device (the baseline, always "
                            "timed first)")
   args = parser.parse_args()
-  chosen = [s.strip() for s in args.strategies.split(",") if s.strip()]
-  if unknown := sorted(set(chosen) - set(STRATEGIES)):
-    parser.error(f"--strategies={args.strategies!r}: {unknown} are not among {STRATEGIES}")
+  strategies = choices.rows(parser, "--strategies", args.strategies, STRATEGIES,
+                            baseline=STRATEGIES[0])
 
   from trainer.distributed.devices import set_num_cpu_devices
   set_num_cpu_devices(args.devices)
@@ -52,7 +53,7 @@ def main():
         f"batch {args.batch}, {args.steps} timed steps")
 
   rows = []
-  for name in [STRATEGIES[0]] + [s for s in STRATEGIES[1:] if s in chosen]:
+  for name in strategies:
     config = mnist_ensemble.get_config()
     config.strategy.name = name
     config.ensemble_size = n
