@@ -10,9 +10,29 @@ and 268 s before (the 2-process launch of its nine cases: 69 s warm, 32 s with t
 Intel Xeon with 2 cores, 2026-11-27). The tests' launched scripts call
 `every_process_writes()` before they compile; a user's multi-process run is left as JAX
 makes it. Where a JAX version has no such function, the tests run as before, only slower.
+
+A launched process makes its own devices (`trainer.distributed.devices`), so the tests'
+device count must not reach it; their other XLA options (`conftest.TEST_XLA_FLAGS`) do
+(`launched_env`): it compiles as the tests do, and its programs are held equal to ones this
+process compiled with the same options.
 """
 
 import functools
+import os
+
+DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
+
+
+def launched_env(drop: tuple[str, ...] = (), **extra: str) -> dict[str, str]:
+  """This process's environment for a process that makes its own devices: `XLA_FLAGS`
+  without the device count, less the variables in `drop`, plus `extra`."""
+  env = {k: v for k, v in os.environ.items() if k not in drop}
+  flags = [f for f in env.pop("XLA_FLAGS", "").split()
+           if not f.startswith(DEVICE_COUNT_FLAG + "=")]
+  if flags:
+    env["XLA_FLAGS"] = " ".join(flags)
+  env.update(extra)
+  return env
 
 
 def every_process_writes() -> None:

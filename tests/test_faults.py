@@ -14,6 +14,7 @@ import sys
 import time
 
 import numpy as np
+import process_cache
 import pytest
 from conftest import MLPTrainer, leaves, mlp_config, vector_batches
 from etils import epath
@@ -172,9 +173,7 @@ def _resume_run(workdir, *args):
 
 
 def _env(**extra):
-  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", lock.LAUNCH_ENV)}
-  env.update(extra)
-  return env
+  return process_cache.launched_env(drop=(lock.LAUNCH_ENV,), **extra)
 
 
 def test_a_second_run_in_a_workdir_is_refused_naming_the_first(tmp_path):

@@ -8,12 +8,12 @@ fixture that runs it.
 
 import importlib
 import json
-import os
 import pathlib
 import subprocess
 import sys
 
 import numpy as np
+import process_cache
 import pytest
 from conftest import mock_tfds
 
@@ -30,10 +30,8 @@ def _read_jsonl(path):
 
 
 def _example_env():
-  env = dict(os.environ)
-  env.pop("XLA_FLAGS", None)  # The entry point must make its devices itself.
-  env["PYTHONPATH"] = str(ROOT)
-  return env
+  # The entry point must make its devices itself.
+  return process_cache.launched_env(PYTHONPATH=str(ROOT))
 
 
 @pytest.fixture(scope="module")

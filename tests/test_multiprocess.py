@@ -22,6 +22,7 @@ import corpus_files
 import jax
 import multiprocess_cases as cases
 import numpy as np
+import process_cache
 import pytest
 
 from strategies import PmapEnsemble, ShardedDataParallel, SingleDevice
@@ -32,8 +33,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def launch(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-  env = dict(os.environ)
-  env.pop("XLA_FLAGS", None)  # Each process makes its own 4 devices.
+  env = process_cache.launched_env()  # Each process makes its own 4 devices.
   return subprocess.run(
       [sys.executable, "-m", "trainer.distributed.launch", "--num_processes", "2", *args],
       cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
@@ -90,6 +90,18 @@ def assert_same_state(got: dict, want: dict, rtol=2e-5, atol=2e-6):
 def train_losses(workdir: pathlib.Path) -> list[tuple[int, float]]:
   lines = [json.loads(line) for line in (workdir / JSONL_NAME).read_text().splitlines()]
   return [(r["step"], r["loss"]) for r in lines if r["split"] == "train"]
+
+
+def test_launched_processes_make_their_devices_and_compile_as_the_tests_do(monkeypatch):
+  # The 1-process runs they are held to compiled with the tests' options (conftest.py).
+  monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8 "
+                                  "--xla_backend_optimization_level=1 --xla_dump_to=/x")
+  monkeypatch.setenv("TRAINER_X", "1")
+  env = process_cache.launched_env(drop=("TRAINER_X",), PYTHONPATH="/p")
+  assert env["XLA_FLAGS"] == "--xla_backend_optimization_level=1 --xla_dump_to=/x"
+  assert "TRAINER_X" not in env and env["PYTHONPATH"] == "/p"
+  monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+  assert "XLA_FLAGS" not in process_cache.launched_env()
 
 
 @pytest.mark.parametrize("case", cases.CASES)
@@ -274,8 +286,7 @@ def test_fresh_two_process_runs_start_every_time_however_their_directories_are_g
 
 
 def start(root: pathlib.Path, *args: str, launcher: tuple[str, ...] = ()) -> subprocess.Popen:
-  env = dict(os.environ)
-  env.pop("XLA_FLAGS", None)
+  env = process_cache.launched_env()
   return subprocess.Popen(
       [sys.executable, "-m", "trainer.distributed.launch", "--num_processes", "2", *launcher,
        "tests/multiprocess_run.py", f"--root={root}", *args],
@@ -333,7 +344,7 @@ def run_as_slurm_tasks(root: pathlib.Path, *args: str) -> list[str]:
   from trainer.distributed.launch import free_port
   port, procs = str(free_port()), []
   for task in range(2):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = process_cache.launched_env()
     env.update(SLURM_JOB_ID="4242", SLURM_STEP_NODELIST="localhost", SLURM_NTASKS="2",
                SLURM_PROCID=str(task), SLURM_LOCALID=str(task), SLURM_STEP_NUM_NODES="1",
                JAX_COORDINATOR_PORT=port, TRAINER_DISTRIBUTED="auto")

@@ -9,6 +9,7 @@ import re
 import jax
 import numerics
 import numpy as np
+import process_cache
 import pytest
 import tensorflow_datasets as tfds
 import user_models as um
@@ -268,8 +269,7 @@ def test_step_rngs_pass_into_the_users_own_jit_and_a_missing_stream_is_still_nam
 def _run_example(args, tmp_path, script="examples/mnist_ensemble.py"):
   import subprocess
   import sys
-  env = {**os.environ, "TFDS_DATA_DIR": str(tmp_path / "tfds")}
-  env.pop("XLA_FLAGS", None)
+  env = process_cache.launched_env(TFDS_DATA_DIR=str(tmp_path / "tfds"))
   return subprocess.run([sys.executable, script, *args], cwd=ROOT, env=env,
                         capture_output=True, text=True, timeout=300)
 
