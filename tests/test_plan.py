@@ -7,7 +7,14 @@ from small_configs import tiny_lm_config
 
 from trainer import LanguageModelTrainer
 from trainer.language_model import synthetic_token_batches
-from trainer.plan import device_memory_bytes, make_plan, shard_bytes
+from trainer.plan import (
+  CPU_PLAN_COMPILER_OPTIONS,
+  count_collectives,
+  device_memory_bytes,
+  make_plan,
+  plan_compiler_options,
+  shard_bytes,
+)
 
 
 def _plan(layout, **kwargs):
@@ -35,6 +42,25 @@ def test_the_plans_bytes_are_the_placed_states_and_the_compiled_arguments(plans,
   assert plan.temp_bytes > 0 and plan.flops > 0
   assert plan.peak_bytes == plan.argument_bytes + plan.output_bytes - plan.alias_bytes + \
       plan.temp_bytes
+
+
+def test_the_plan_compiled_at_llvm_level_0_reads_as_the_program_at_xlas_defaults(plans):
+  """The dry run compiles at LLVM's level 0 on a CPU (`CPU_PLAN_COMPILER_OPTIONS`): its
+  figures are XLA's HLO passes' and buffer assignment's, the same as at XLA's level 3."""
+  trainer, batch, plan = plans["fsdp"]
+  assert plan_compiler_options(jax.tree.leaves(trainer.strategy.put_batch(batch))) == \
+      CPU_PLAN_COMPILER_OPTIONS == {"xla_backend_optimization_level": 0}
+  abstract = trainer.strategy.checkpoint_target(trainer.states.abstract(batch))
+  placed = trainer.strategy.put_batch(batch)
+  default = trainer.compiled.train(abstract).lower(abstract, placed).compile(
+      {"xla_backend_optimization_level": 3})
+  memory = default.memory_analysis()
+  assert (plan.argument_bytes, plan.output_bytes, plan.temp_bytes, plan.alias_bytes) == (
+      memory.argument_size_in_bytes, memory.output_size_in_bytes,
+      memory.temp_size_in_bytes, memory.alias_size_in_bytes)
+  cost = default.cost_analysis()
+  assert plan.flops == (cost[0] if isinstance(cost, list | tuple) else cost)["flops"]
+  assert plan.collectives == count_collectives(default.as_text())
 
 
 def test_fsdp_holds_an_eighth_and_gathers_while_data_parallel_all_reduces(plans):

@@ -17,8 +17,9 @@ state per device, compiled by `jit`.
 
 It builds the train state and the train step abstractly (`jax.eval_shape`, then
 `lower(...).compile()` on `jax.ShapeDtypeStruct` leaves carrying the strategy's shardings)
-for the given number of fake CPU devices: nothing is initialised, no data is read,
-no step runs. It prints per device the parameter, optimizer-state and other
+for the given number of fake CPU devices (at LLVM's level 0: `CPU_PLAN_COMPILER_OPTIONS`):
+nothing is initialised, no data is read, no step runs. It prints per device the
+parameter, optimizer-state and other
 state bytes (from the shardings), the compiled step's argument, temporary
 (activations and workspace) and output bytes (`compiled.memory_analysis()`), its
 FLOPs (`compiled.cost_analysis()`), the collectives in its HLO, and the layout of
@@ -47,6 +48,11 @@ from strategies.tree import array_bytes
 from trainer.step.quantized_base import is_quantized
 
 PyTree = Any
+#: XLA:CPU's options for the dry run's compile: LLVM's optimization level 0 instead of
+#: XLA's default, 3. What a plan reads (memory, FLOPs, collectives) is decided by XLA's
+#: HLO passes and buffer assignment, before LLVM; the program never runs. The 16 plans of
+#: the docs print the same at either level (`tests/test_plan.py` compares one).
+CPU_PLAN_COMPILER_OPTIONS = {"xla_backend_optimization_level": 0}
 #: The collective ops of an optimised HLO module, as `make_plan` counts them.
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 
@@ -216,7 +222,8 @@ def make_plan(trainer: Any, example_batch: dict[str, np.ndarray], *,
                      f"or 'sharded_ensemble' on the same devices instead.")
   abstract = strategy.checkpoint_target(trainer.states.abstract(example_batch))
   batch = strategy.put_batch(example_batch)  # One small host batch: its shapes and layout.
-  compiled = trainer.compiled.train(abstract).lower(abstract, batch).compile()
+  lowered = trainer.compiled.train(abstract).lower(abstract, batch)
+  compiled = lowered.compile(plan_compiler_options(jax.tree.leaves(batch)))
   memory = compiled.memory_analysis()
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, list | tuple) else cost
@@ -242,6 +249,15 @@ def make_plan(trainer: Any, example_batch: dict[str, np.ndarray], *,
       alias_bytes=int(memory.alias_size_in_bytes), flops=float((cost or {}).get("flops", 0.0)),
       collectives=count_collectives(hlo := compiled.as_text()), largest=largest[:top],
       device_memory=device_memory, pipeline=stages, collective_bytes=count_collective_bytes(hlo))
+
+
+def plan_compiler_options(placed: list[jax.Array]) -> dict[str, Any] | None:
+  """The dry run's compiler options for a step over the devices of `placed` arrays:
+  `CPU_PLAN_COMPILER_OPTIONS` on XLA:CPU, XLA's defaults (None) elsewhere."""
+  devices = {d for x in placed for d in x.sharding.device_set}
+  if devices and all(d.platform == "cpu" for d in devices):
+    return dict(CPU_PLAN_COMPILER_OPTIONS)
+  return None
 
 
 def device_memory_bytes(device: str | None, memory_gib: float | None) -> int | None:
