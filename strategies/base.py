@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import abc
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import jax
@@ -41,8 +41,16 @@ def init_compiler_options(devices: Sequence[jax.Device]) -> dict[str, Any] | Non
   are the initializers' own (`tests/test_equivalence.py` holds them equal to the program
   compiled with XLA's defaults). Elsewhere (GPU, TPU): XLA's defaults (None).
   """
+  return cpu_compiler_options(devices, CPU_INIT_COMPILER_OPTIONS)
+
+
+def cpu_compiler_options(devices: Iterable[jax.Device], options: dict[str, Any]
+                         ) -> dict[str, Any] | None:
+  """A copy of `options` for a program on `devices` if they are all XLA:CPU's, else
+  XLA's defaults (None): the options of a program whose compile time on a CPU is most
+  of its cost (a state's init, the dry run's step)."""
   if all(d.platform == "cpu" for d in devices):
-    return dict(CPU_INIT_COMPILER_OPTIONS)
+    return dict(options)
   return None
 
 

@@ -16,18 +16,18 @@ one member per device, `sharded_data_parallel` over a data axis): the same
 state per device, compiled by `jit`.
 
 It builds the train state and the train step abstractly (`jax.eval_shape`, then
-`lower(...).compile()` on `jax.ShapeDtypeStruct` leaves carrying the strategy's shardings)
-for the given number of fake CPU devices (at LLVM's level 0: `CPU_PLAN_COMPILER_OPTIONS`):
-nothing is initialised, no data is read, no step runs. It prints per device the
-parameter, optimizer-state and other
-state bytes (from the shardings), the compiled step's argument, temporary
-(activations and workspace) and output bytes (`compiled.memory_analysis()`), its
-FLOPs (`compiled.cost_analysis()`), the collectives in its HLO, and the layout of
-the largest parameters (with a `stage` mesh axis, also the pipeline's schedule, its
-bubble fraction and which layers each stage runs); then compares the peak with one
-device's memory (the `--device` row of `trainer.throughput.MEMORY_GIB`, or `--memory_gib`) and says
-whether the run fits. The compiled program is the CPU backend's: a GPU or TPU
-compiler fuses and schedules differently, so its temporaries are an estimate.
+`lower(...).compile()` on `jax.ShapeDtypeStruct` leaves carrying the strategy's
+shardings) for the given number of fake CPU devices (at LLVM's level 0:
+`CPU_PLAN_COMPILER_OPTIONS`): nothing is initialised, no data is read, no step runs. It
+prints per device the parameter, optimizer-state and other state bytes (from the
+shardings), the compiled step's argument, temporary (activations and workspace) and
+output bytes (`compiled.memory_analysis()`), its FLOPs (`compiled.cost_analysis()`), the
+collectives in its HLO, and the layout of the largest parameters (with a `stage` mesh
+axis, also the pipeline's schedule, its bubble fraction and which layers each stage
+runs); then compares the peak with one device's memory (the `--device` row of
+`trainer.throughput.MEMORY_GIB`, or `--memory_gib`) and says whether the run fits. The
+compiled program is the CPU backend's: a GPU or TPU compiler fuses and schedules
+differently, so its temporaries are an estimate.
 
 `make_plan(trainer, example_batch)` is the same for any Trainer.
 """
@@ -214,6 +214,7 @@ def make_plan(trainer: Any, example_batch: dict[str, np.ndarray], *,
     ValueError: a pmap strategy (its step takes per-device copies; plan its jit
       counterpart), or the layout's own errors (`strategies.layout.check_layout`).
   """
+  from strategies.base import cpu_compiler_options
   from strategies.tree import keypath_str
 
   strategy = trainer.strategy
@@ -224,7 +225,8 @@ def make_plan(trainer: Any, example_batch: dict[str, np.ndarray], *,
   abstract = strategy.checkpoint_target(trainer.states.abstract(example_batch))
   batch = strategy.put_batch(example_batch)  # One small host batch: its shapes and layout.
   lowered = trainer.compiled.train(abstract).lower(abstract, batch)
-  compiled = lowered.compile(plan_compiler_options(jax.tree.leaves(batch)))
+  devices = {d for x in jax.tree.leaves(batch) for d in x.sharding.device_set}
+  compiled = lowered.compile(cpu_compiler_options(devices, CPU_PLAN_COMPILER_OPTIONS))
   memory = compiled.memory_analysis()
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, list | tuple) else cost
@@ -250,15 +252,6 @@ def make_plan(trainer: Any, example_batch: dict[str, np.ndarray], *,
       alias_bytes=int(memory.alias_size_in_bytes), flops=float((cost or {}).get("flops", 0.0)),
       collectives=count_collectives(hlo := compiled.as_text()), largest=largest[:top],
       device_memory=device_memory, pipeline=stages, collective_bytes=count_collective_bytes(hlo))
-
-
-def plan_compiler_options(placed: list[jax.Array]) -> dict[str, Any] | None:
-  """The dry run's compiler options for a step over the devices of `placed` arrays:
-  `CPU_PLAN_COMPILER_OPTIONS` on XLA:CPU, XLA's defaults (None) elsewhere."""
-  devices = {d for x in placed for d in x.sharding.device_set}
-  if devices and all(d.platform == "cpu" for d in devices):
-    return dict(CPU_PLAN_COMPILER_OPTIONS)
-  return None
 
 
 def device_memory_bytes(device: str | None, memory_gib: float | None) -> int | None:
