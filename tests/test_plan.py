@@ -5,7 +5,7 @@ import jax
 import pytest
 from small_configs import tiny_lm_config
 
-from strategies.base import cpu_compiler_options
+from strategies import base
 from trainer import LanguageModelTrainer
 from trainer.language_model import synthetic_token_batches
 from trainer.plan import (
@@ -25,9 +25,26 @@ def _plan(layout, **kwargs):
   return trainer, batch, make_plan(trainer, batch, **kwargs)
 
 
+#: What each plan of the `plans` fixture asked `strategies.base.cpu_compiler_options` for:
+#: (devices, options, the options it got), by layout.
+COMPILER_OPTIONS_ASKED = {}
+
+
 @pytest.fixture(scope="module")
 def plans():
-  return {layout: _plan(layout) for layout in ("data_parallel", "fsdp")}
+  out, real = {}, base.cpu_compiler_options
+  for layout in ("data_parallel", "fsdp"):
+    asked = COMPILER_OPTIONS_ASKED.setdefault(layout, [])
+
+    def spy(devices, options, asked=asked):
+      got = real(devices, options)
+      asked.append((set(devices), options, got))
+      return got
+
+    with pytest.MonkeyPatch.context() as patch:
+      patch.setattr(base, "cpu_compiler_options", spy)
+      out[layout] = _plan(layout)
+  return out
 
 
 @pytest.mark.parametrize("layout", ["data_parallel", "fsdp"])
@@ -48,8 +65,9 @@ def test_the_plan_compiled_at_llvm_level_0_reads_as_the_program_at_xlas_defaults
   """The dry run compiles at LLVM's level 0 on a CPU (`CPU_PLAN_COMPILER_OPTIONS`): its
   figures are XLA's HLO passes' and buffer assignment's, the same as at XLA's level 3."""
   trainer, batch, plan = plans["fsdp"]
-  assert cpu_compiler_options(jax.devices(), CPU_PLAN_COMPILER_OPTIONS) == {
-      "xla_backend_optimization_level": 0}
+  # The options make_plan compiled with, for the devices its placed batch is on.
+  assert COMPILER_OPTIONS_ASKED["fsdp"][-1] == (
+      set(jax.devices()), CPU_PLAN_COMPILER_OPTIONS, {"xla_backend_optimization_level": 0})
   abstract = trainer.strategy.checkpoint_target(trainer.states.abstract(batch))
   placed = trainer.strategy.put_batch(batch)
   default = trainer.compiled.train(abstract).lower(abstract, placed).compile(
