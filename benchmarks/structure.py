@@ -90,7 +90,7 @@ def measure(root: pathlib.Path) -> dict[str, str]:
         functions.append((size, node.name))
         if on_run_path:
           run_path.append((size, f"{path.relative_to(root)}:{node.name}"))
-  before_init, methods, fit = _trainer_layout(root)
+  before_init, trainer_methods, fit = _trainer_layout(root)
   run_path.append((fit, "Trainer.fit"))
   by_name = {name: (size, methods) for size, methods, name in classes}
   fallbacks = sum(len(re.findall(r"\b(?:config|c|s|mp|early|profile)\.get\(", p.read_text()))
@@ -101,7 +101,7 @@ def measure(root: pathlib.Path) -> dict[str, str]:
   fn_size, fn_name = max(functions)
   return {
       "Trainer class (lines, methods)": "{} lines, {} methods".format(*by_name["Trainer"]),
-      "Trainer methods before __init__": f"{before_init} of {methods}",
+      "Trainer methods before __init__": f"{before_init} of {trainer_methods}",
       "run path: longest function": "{1}: {0} lines".format(*max(run_path)),
       "largest class": f"{name}: {size} lines, {methods} methods",
       "largest function": f"{fn_name}: {fn_size} lines",

@@ -1,6 +1,7 @@
 """The README's commands are the ones CI runs."""
 
 import pathlib
+import re
 
 import doc_commands
 
@@ -103,3 +104,22 @@ def test_the_readme_is_a_front_door():
   # What it is, the two commands, a short example, links; the detail is in the guides.
   lines = (ROOT / "README.md").read_text().splitlines()
   assert len(lines) < 250, f"README.md has {len(lines)} lines"
+
+
+def test_the_structure_tables_show_the_source_as_it_is():
+  """The README's and the architecture page's "now" column is what `benchmarks/structure.py`
+  measures in this tree (the Trainer's size is the figure a new method or flag would move)."""
+  import importlib.util
+  spec = importlib.util.spec_from_file_location("structure", ROOT / "benchmarks" / "structure.py")
+  structure = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(structure)
+  now = structure.measure(ROOT)
+  rows = {"`Trainer` (lines, methods)": now["Trainer class (lines, methods)"],
+          "methods before `__init__` (the hooks)": now["Trainer methods before __init__"],
+          "longest function on the run path": re.sub(
+              r"^(\S+):", r"`\1`:", now["run path: longest function"]),
+          "import cycles": now["import cycles"]}
+  for page in (ROOT / "README.md", ROOT / "docs" / "architecture.md"):
+    table = dict(re.findall(r"^\| ([^|]+?) \| [^|]+ \| ([^|]+?) \|$", page.read_text(),
+                            flags=re.M))
+    assert {row: table.get(row) for row in rows} == rows, page.name
