@@ -36,6 +36,9 @@ A model's position embeddings (learned or rotary) must use each token's global
 position too: the positions of a packed batch (`positions`), or
 `sequence_positions(batch, length)`, which is `arange(length)` except under a
 layout that holds the sequence in another order.
+
+Every method runs the same arithmetic on blocks of scores (the masks, dropout's keep
+mask, the online softmax): `models.attention_blocks`.
 """
 
 from __future__ import annotations
@@ -47,9 +50,9 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.extend.random import threefry2x32_p
 from jax.sharding import PartitionSpec
 
+from models import attention_blocks as blocks
 from strategies import context as context_lib
 from strategies.context import ContextError
 from strategies.tracing import Steering
@@ -139,66 +142,6 @@ def _key_words(rng: jax.Array) -> tuple[jax.Array, jax.Array]:
   return words[0], words[-1]
 
 
-class _Block:
-  """What one block of scores needs besides q, k, v (static or small)."""
-
-  def __init__(self, *, causal, window, scale, rate, seed, total_heads, length):
-    self.causal, self.window, self.scale, self.rate = causal, window, scale, rate
-    self.seed, self.total_heads, self.length = seed, total_heads, length
-
-  def allowed(self, q_index, k_index, q_seg, k_seg):
-    """`[batch, lq, lk]`: which scores count (index: the tokens' places in the sequence)."""
-    ok = q_seg[:, :, None] == k_seg[:, None, :]
-    distance = q_index[:, None] - k_index[None, :]
-    if self.causal:
-      ok = ok & (distance >= 0)[None]
-    if self.window is not None:
-      ok = ok & (distance < self.window)[None]
-    return ok
-
-  def skipped(self, q_index, k_index) -> jax.Array | bool:
-    """Whether every score of the block is masked by position alone (causal, window)."""
-    skip = False
-    if self.causal:
-      skip = jnp.min(k_index) > jnp.max(q_index)
-    if self.window is not None:
-      skip = skip | (jnp.min(q_index) - jnp.max(k_index) >= self.window)
-    return skip
-
-  def keep(self, shape, batch_index, head_index, q_index, k_index):
-    """Dropout's keep mask `[b, kv, g, lq, lk]` from each weight's (row, head, query, key)."""
-    kv, g = shape[1:3]
-    row = (batch_index[:, None, None] * self.total_heads
-           + head_index.reshape(kv, g)[None]).astype(jnp.uint32)
-    cell = (q_index[:, None] * self.length + k_index[None, :]).astype(jnp.uint32)
-    x0 = jnp.broadcast_to(row[..., None, None], shape)
-    x1 = jnp.broadcast_to(cell[None, None, None], shape)
-    bits, _ = threefry2x32_p.bind(self.seed[0], self.seed[1], x0, x1)
-    threshold = np.uint32(min(int(self.rate * 2.0**32), 2**32 - 1))
-    return bits >= threshold
-
-  def update(self, carry, q, k, v, allowed, extra_mask, drop_ids):
-    """One block folded into the running (max, sum, weighted values)."""
-    m, total, acc = carry
-    s = jnp.einsum("bqkgd,bskd->bkgqs", q, k, preferred_element_type=jnp.float32)
-    s = s.astype(jnp.float32) * self.scale
-    ok = allowed[:, None, None]
-    if extra_mask is not None:
-      ok = ok & extra_mask
-    s = jnp.where(ok, s, -jnp.inf)
-    m_new = jnp.maximum(m, s.max(axis=-1))
-    m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
-    p = jnp.exp(s - m_safe[..., None])
-    correction = jnp.exp(m - m_safe)
-    total = total * correction + p.sum(axis=-1)
-    if drop_ids is not None:
-      keep = self.keep(p.shape, *drop_ids)
-      p = jnp.where(keep, p / (1.0 - self.rate), 0.0)
-    acc = acc * correction[..., None] + jnp.einsum(
-        "bkgqs,bskd->bkgqd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-    return m_new, total, acc
-
-
 def _groups(heads: int, kv_heads: int) -> int:
   """The query heads per key/value head (grouped-query attention).
 
@@ -209,18 +152,6 @@ def _groups(heads: int, kv_heads: int) -> int:
     raise ValueError(f"attention: {heads} query heads are not a multiple of {kv_heads} "
                      f"key/value heads.")
   return heads // kv_heads
-
-
-def _start(b, kv, g, lq, d):
-  return (jnp.full((b, kv, g, lq), -jnp.inf, jnp.float32), jnp.zeros((b, kv, g, lq), jnp.float32),
-          jnp.zeros((b, kv, g, lq, d), jnp.float32))
-
-
-def _finish(carry, dtype):
-  _, total, acc = carry
-  out = jnp.where(total[..., None] > 0, acc / jnp.where(total > 0, total, 1.0)[..., None], 0.0)
-  b, kv, g, lq, d = out.shape
-  return out.transpose(0, 3, 1, 2, 4).reshape(b, lq, kv * g, d).astype(dtype)
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
@@ -256,7 +187,7 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
     raise ValueError("attention: dropout_rate > 0 outside deterministic mode needs a "
                      "dropout_rng.")
   seed = _key_words(dropout_rng) if dropout else (jnp.uint32(0), jnp.uint32(0))
-  block = _Block(causal=causal, window=window, scale=scale or 1.0 / math.sqrt(d),
+  block = blocks.Block(causal=causal, window=window, scale=scale or 1.0 / math.sqrt(d),
                  rate=float(dropout_rate), seed=seed, total_heads=heads, length=length)
   packed = segment_ids is not None
   if segment_ids is None:
@@ -267,7 +198,8 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
       if jax.default_backend() == "gpu" and fused_fallback(
           q, k, packed=packed, dropout=dropout, window=window, causal=causal) is None:
         return _fused(block, q, k, v, "cudnn")
-      return _blockwise(block, min(method.block_size, length), dropout, q, k, v, segment_ids)
+      return blocks.blockwise(block, min(method.block_size, length), dropout, q, k, v,
+                              segment_ids, jnp.asarray(_order(length)))
     return _plain(block, q, k, v, segment_ids, mask, dropout)
   if mask is not None:
     raise ContextError(
@@ -308,11 +240,11 @@ def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Ar
   allowed = distance >= 0
   if window is not None:
     allowed = allowed & (distance < window)
-  block = _Block(causal=False, window=None, scale=scale or 1.0 / math.sqrt(d), rate=0.0,
+  block = blocks.Block(causal=False, window=None, scale=scale or 1.0 / math.sqrt(d), rate=0.0,
                  seed=None, total_heads=heads, length=k.shape[1])
-  carry = block.update(_start(b, kv, g, lq, d), q.reshape(b, lq, kv, g, d), k, v, allowed,
+  carry = block.update(blocks.start(b, kv, g, lq, d), q.reshape(b, lq, kv, g, d), k, v, allowed,
                        None, None)
-  return _finish(carry, q.dtype)
+  return blocks.finish(carry, q.dtype)
 
 
 def _plain(block, q, k, v, segment_ids, mask, dropout):
@@ -326,9 +258,9 @@ def _plain(block, q, k, v, segment_ids, mask, dropout):
     extra = jnp.broadcast_to(mask, (b, heads, length, length)).reshape(b, kv, g, length, length)
   drop = (jnp.arange(b), jnp.arange(heads), index, index) if dropout else None
   allowed = block.allowed(index, index, segment_ids, segment_ids)
-  carry = block.update(_start(b, kv, g, length, d), q.reshape(b, length, kv, g, d), k, v,
+  carry = block.update(blocks.start(b, kv, g, length, d), q.reshape(b, length, kv, g, d), k, v,
                        allowed, extra, drop)
-  return _finish(carry, q.dtype)
+  return blocks.finish(carry, q.dtype)
 
 
 # -- cuDNN's fused attention (a GPU) ---------------------------------------------------------
@@ -355,104 +287,13 @@ def fused_fallback(q: jax.Array, k: jax.Array, *, packed: bool, dropout: bool,
   return None
 
 
-def _fused(block: _Block, q, k, v, implementation: str | None) -> jax.Array:
+def _fused(block: blocks.Block, q, k, v, implementation: str | None) -> jax.Array:
   """`jax.nn.dot_product_attention` with this call's causal mask, window and scale
   (`implementation`: 'cudnn' on a GPU; None, XLA's, to check the mapping elsewhere)."""
   window = None if block.window is None else (block.window - 1, 0)
   return jax.nn.dot_product_attention(q, k, v, scale=block.scale, is_causal=block.causal,
                                       local_window_size=window,
                                       implementation=implementation).astype(q.dtype)
-
-
-# -- Blockwise attention (memory linear in the length) ----------------------------------------
-
-
-def _pad_to(x: jax.Array, length: int, axis: int, value=0) -> jax.Array:
-  pad = length - x.shape[axis]
-  if not pad:
-    return x
-  widths = [(0, 0)] * x.ndim
-  widths[axis] = (0, pad)
-  return jnp.pad(x, widths, constant_values=value)
-
-
-def _in_blocks(x: jax.Array, size: int, axis: int, value=0) -> jax.Array:
-  """`x` padded along `axis` to whole blocks of `size` (with `value`), the blocks on a new
-  leading axis: `[..., n * size, ...]` -> `[n, ..., size, ...]`."""
-  n = -(-x.shape[axis] // size)
-  x = _pad_to(x, n * size, axis, value)
-  return jnp.moveaxis(x.reshape(x.shape[:axis] + (n, size) + x.shape[axis + 1:]), axis, 0)
-
-
-def _out_of_blocks(x: jax.Array, axis: int, length: int) -> jax.Array:
-  """`_in_blocks`' inverse: the blocks back along `axis`, the padding cut to `length`."""
-  x = jnp.moveaxis(x, 0, axis)
-  x = x.reshape(x.shape[:axis] + (x.shape[axis] * x.shape[axis + 1],) + x.shape[axis + 2:])
-  return jax.lax.slice_in_dim(x, 0, length, axis=axis)
-
-
-#: Where padding sits in the sequence: after every token, so no causal or windowed query
-#: sees it (and padded queries, whose outputs are cut, see no real key).
-_PAD_INDEX = 2**30
-
-
-def _fold(block: _Block, size: int, carry, q, q_index, q_seg, k, v, k_index, k_seg, drop):
-  """`carry`, the running (max, sum, weighted values) of the queries `q [b, lq, kv, g, d]`,
-  with the keys and values `k`, `v [b, lk, kv, d]` folded in: blocks of `size` queries
-  against blocks of `size` keys, each pair by the online softmax (`_Block.update`), a pair
-  the causal mask or the window covers skipped. Each query block's computation is
-  rematerialised in the backward pass, and each block pair's scores within it, so what
-  autodiff keeps is linear in the length: a query block's inputs, and while one is
-  differentiated, its running sums per key block. Blockwise attention is one fold over
-  the whole sequence; the context methods fold each block of keys a device holds.
-
-  Args:
-    q_index, k_index: `[lq]`, `[lk]`, the tokens' places in the sequence.
-    q_seg, k_seg: `[b, lq]`, `[b, lk]`, their documents.
-    drop: `(batch ids, head ids)` of dropout's keep mask, or None (no dropout).
-  """
-  lq = q.shape[1]
-  pad = lambda index: jnp.concatenate(  # noqa: E731
-      [index, _PAD_INDEX + jnp.arange(-index.shape[0] % size, dtype=index.dtype)])
-  qb, q_indexb = _in_blocks(q, size, 1), _in_blocks(pad(q_index), size, 0)
-  q_segb = _in_blocks(q_seg, size, 1, -1)  # Padding matches no real document.
-  keys = (_in_blocks(k, size, 1), _in_blocks(v, size, 1), _in_blocks(pad(k_index), size, 0),
-          _in_blocks(k_seg, size, 1, -1))
-  m, total, acc = carry
-  carries = (_in_blocks(m, size, 3, -jnp.inf), _in_blocks(total, size, 3),
-             _in_blocks(acc, size, 3))
-  update = jax.checkpoint(block.update)
-
-  @jax.checkpoint
-  def one_query_block(carry, qi, qi_index, qi_seg):
-    def step(carry, blocks):
-      kj, vj, kj_index, kj_seg = blocks
-      allowed = block.allowed(qi_index, kj_index, qi_seg, kj_seg)
-      ids = (*drop, qi_index, kj_index) if drop is not None else None
-      carry = jax.lax.cond(block.skipped(qi_index, kj_index), lambda c, *_: c,
-                           lambda c, kj, vj, allowed: update(c, qi, kj, vj, allowed, None, ids),
-                           carry, kj, vj, allowed)
-      return carry, None
-
-    carry, _ = jax.lax.scan(step, carry, keys)
-    return carry
-
-  _, out = jax.lax.scan(lambda _, args: (None, one_query_block(*args)), None,
-                        (carries, qb, q_indexb, q_segb))
-  return tuple(_out_of_blocks(x, 3, lq) for x in out)
-
-
-def _blockwise(block: _Block, size: int, dropout: bool, q, k, v, segment_ids):
-  """Attention by blocks of `size` queries against blocks of `size` keys (`_fold` over the
-  whole sequence)."""
-  b, length, heads, d = q.shape
-  kv = k.shape[2]
-  index = jnp.asarray(_order(length))
-  drop = (jnp.arange(b), jnp.arange(heads)) if dropout else None
-  carry = _fold(block, size, _start(b, kv, heads // kv, length, d),
-                q.reshape(b, length, kv, heads // kv, d), index, segment_ids, k, v, index,
-                segment_ids, drop)
-  return _finish(carry, q.dtype)
 
 
 def _linear_index(axes: tuple[str, ...]) -> jax.Array:
@@ -482,7 +323,7 @@ def _context_parallel(plan, block, q, k, v, segment_ids, dropout):
   order = np.asarray(plan.order(length), np.int32)
   chunk = length // C
   method = current_method()  # Blockwise: each chunk of keys folded in by blocks.
-  blocks = method.block_size if method.name == "blockwise" else 0
+  block_size = method.block_size if method.name == "blockwise" else 0
 
   def body(q, k, v, seg):
     i = jax.lax.axis_index(axis)
@@ -498,28 +339,28 @@ def _context_parallel(plan, block, q, k, v, segment_ids, dropout):
     batch0 = _linear_index(plan.batch_axes) * lb if batch_entry else jnp.int32(0)
     drop_base = (batch0 + jnp.arange(lb), head0 + jnp.arange(hl)) if dropout else None
     all_seg = jax.lax.all_gather(seg, axis, axis=1, tiled=True)
-    carry = _start(lb, kl, g, lq, d)
+    carry = blocks.start(lb, kl, g, lq, d)
     if plan.method == "all_gather":
       k_all = jax.lax.all_gather(k, axis, axis=1, tiled=True)
       v_all = jax.lax.all_gather(v, axis, axis=1, tiled=True)
       k_index = jnp.asarray(order)
-      if blocks:
-        carry = _fold(block, min(blocks, lq), carry, qg, q_index, seg, k_all, v_all, k_index,
-                      all_seg, drop_base)
-        return _finish(carry, q.dtype)
+      if block_size:
+        carry = blocks.fold(block, min(block_size, lq), carry, qg, q_index, seg, k_all, v_all,
+                            k_index, all_seg, drop_base)
+        return blocks.finish(carry, q.dtype)
       drop = (*drop_base, q_index, k_index) if dropout else None
       allowed = block.allowed(q_index, k_index, seg, all_seg)
       carry = block.update(carry, qg, k_all, v_all, allowed, None, drop)
-      return _finish(carry, q.dtype)
+      return blocks.finish(carry, q.dtype)
 
     update = jax.checkpoint(block.update)  # Each block's scores recomputed for the backward.
 
     def fold(c, qa, qa_index, qa_seg, kb, vb, kb_index, kb_seg):
       """One chunk of keys into the running sums of one chunk of queries: in blocks of
-      `config.attention.block_size` under the blockwise method (`_fold`), else at once."""
-      if blocks:
-        return _fold(block, min(blocks, qa.shape[1]), c, qa, qa_index, qa_seg, kb, vb,
-                     kb_index, kb_seg, drop_base)
+      `config.attention.block_size` under the blockwise method (`blocks.fold`), else at once."""
+      if block_size:
+        return blocks.fold(block, min(block_size, qa.shape[1]), c, qa, qa_index, qa_seg, kb,
+                           vb, kb_index, kb_seg, drop_base)
       drop = (*drop_base, qa_index, kb_index) if dropout else None
       return update(c, qa, kb, vb, block.allowed(qa_index, kb_index, qa_seg, kb_seg), None,
                     drop)
@@ -556,10 +397,10 @@ def _context_parallel(plan, block, q, k, v, segment_ids, dropout):
       carries = visit(carries, k, v, s)
       return (carries, jax.lax.ppermute(k, axis, perm), jax.lax.ppermute(v, axis, perm)), None
 
-    carries = [_start(lb, kl, g, sub, d) for _ in range(pieces)]
+    carries = [blocks.start(lb, kl, g, sub, d) for _ in range(pieces)]
     (carries, k, v), _ = jax.lax.scan(step, (carries, k, v), jnp.arange(C - 1))
     carries = visit(carries, k, v, C - 1)
-    return jnp.concatenate([_finish(c, q.dtype) for c in carries], axis=1)
+    return jnp.concatenate([blocks.finish(c, q.dtype) for c in carries], axis=1)
 
   spec_q = PartitionSpec(batch_entry, axis, heads_entry, None)
   spec_kv = PartitionSpec(batch_entry, axis, kv_entry, None)

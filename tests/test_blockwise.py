@@ -15,6 +15,7 @@ import pytest
 from small_configs import tiny_lm_config
 
 from models import attention as attention_lib
+from models import attention_blocks
 from trainer.language_model import LanguageModelTrainer
 
 CASES = {
@@ -131,8 +132,8 @@ def test_the_fused_kernels_arguments_give_plain_attention(causal, window, kv):
   b, length, heads, d = 2, 24, 4, 8
   q = jax.random.normal(keys[0], (b, length, heads, d))
   k, v = (jax.random.normal(key, (b, length, kv, d)) for key in keys[1:])
-  block = attention_lib._Block(causal=causal, window=window, scale=0.3, rate=0.0, seed=None,
-                               total_heads=heads, length=length)
+  block = attention_blocks.Block(causal=causal, window=window, scale=0.3, rate=0.0, seed=None,
+                                 total_heads=heads, length=length)
   want = attention_lib._plain(block, q, k, v, jnp.zeros((b, length), jnp.int32), None, False)
   np.testing.assert_allclose(attention_lib._fused(block, q, k, v, None), want, atol=1e-5,
                              rtol=0)
