@@ -26,13 +26,15 @@ A record that cannot be read (a malformed JSON line, a missing or non-text field
 bytes that are not UTF-8, an empty document, a Parquet file without the field) stops
 the run naming the file and the line or row (`bad_records="stop"`), or is skipped
 and counted by kind (`"skip"`, the counts kept in the iterator's state).
+
+Each format's reader, which hands a shard its next record from a position, is in
+`trainer.data.records`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import glob
-import gzip
 import json
 import logging
 import os
@@ -40,23 +42,27 @@ import os
 import grain
 import numpy as np
 
-#: Formats by file ending, longest first.
-ENDINGS = ((".jsonl.gz", "jsonl"), (".json.gz", "jsonl"), (".jsonl", "jsonl"),
-           (".json", "jsonl"), (".parquet", "parquet"), (".array_record", "array_record"))
-FORMATS = ("jsonl", "parquet", "array_record", "tfds")
-#: A TFDS text dataset as a source: `tfds:<name>[/<config>][@<data_dir>]:<split>`, prepared as
-#: array_record (random access, no TensorFlow at read time).
-TFDS_PREFIX = "tfds:"
+from trainer.data.records import (
+  ENDINGS,
+  FORMATS,  # noqa: F401 (this module's name before the readers moved)
+  TFDS_PREFIX,
+  BadRecord,
+  CorpusError,
+  IndexedRecords,
+  JsonLines,
+  ParquetRows,
+  check_tfds,
+  format_of,
+  has_text_column,
+  tfds_source,  # noqa: F401 (this module's name before the readers moved)
+)
+
 #: What a directory source reads (`.json` files only when named: a model directory's
 #: `config.json` and `tokenizer.json` are no corpus).
 DIRECTORY_ENDINGS = (".jsonl", ".jsonl.gz", ".parquet", ".array_record")
 BAD_RECORDS = ("stop", "skip")
 #: The kinds of bad record, as counted under `bad_records="skip"`.
 BAD_KINDS = ("malformed", "missing_field", "not_utf8", "empty", "schema", "missing_chat")
-
-
-class CorpusError(ValueError):
-  """A source that cannot be read, or a bad record under `bad_records="stop"`."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,15 +74,6 @@ class TextSource:
   files: tuple[str, ...]
   field: str = "text"
   weight: float = 1.0
-
-
-def format_of(path: str) -> str | None:
-  if path.startswith(TFDS_PREFIX):
-    return "tfds"
-  for ending, fmt in ENDINGS:
-    if path.endswith(ending):
-      return fmt
-  return None
 
 
 def resolve(spec: str, *, field: str, weight: float, where: str) -> TextSource:
@@ -257,14 +254,14 @@ class ShardIterator(grain.DatasetIterator):
     path = self._files(self._epoch)[self._file]
     field = None if self.chat is not None else self.source.field  # None: the whole record.
     if format_of(path) == "jsonl":
-      self._reader = _JsonLines(path, field, self._pos, self._record)
+      self._reader = JsonLines(path, field, self._pos, self._record)
     elif format_of(path) in ("array_record", "tfds"):
-      self._reader = _IndexedRecords(path, field, self._record)
+      self._reader = IndexedRecords(path, field, self._record)
     elif self.chat is not None:
       raise CorpusError(f"{path}: instruction records (config.data.chat=True) are read from "
                         f"JSONL files; this is Parquet.")
     else:
-      self._reader = _ParquetRows(path, self.source.field, self._record)
+      self._reader = ParquetRows(path, self.source.field, self._record)
 
   # -- Reading ---------------------------------------------------------------------------
 
@@ -363,172 +360,6 @@ class ShardIterator(grain.DatasetIterator):
     self._pending, self._reader = [], None
 
 
-@dataclasses.dataclass(frozen=True)
-class BadRecord:
-  kind: str
-
-
-class _JsonLines:
-  """A JSONL file (gzip too) from byte offset `pos`, line `record`; `next_for` returns the
-  next line of a shard as `(line, offset, text or BadRecord)` without moving past it."""
-
-  def __init__(self, path: str, field: str | None, pos: int, record: int):
-    self.path, self.field = path, field
-    self._file = gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb")
-    self._file.seek(pos)
-    self.pos, self.record = pos, record
-    self._line = None
-
-  def next_for(self, shard: int, shards: int):
-    while True:
-      if self._line is None:
-        self._line = self._file.readline()
-      if not self._line:
-        self._file.close()
-        return None
-      if self.record % shards == shard and self._line.strip():
-        return self.record, self.pos, self._parse(self._line, self.field)
-      self.advance()
-
-  def advance(self) -> None:
-    self.pos += len(self._line)
-    self.record += 1
-    self._line = None
-
-  @staticmethod
-  def _parse(line: bytes, field: str | None):
-    try:
-      text = line.decode("utf-8")
-    except UnicodeDecodeError:
-      return BadRecord("not_utf8")
-    try:
-      record = json.loads(text)
-    except json.JSONDecodeError:
-      return BadRecord("malformed")
-    if not isinstance(record, dict):
-      return BadRecord("malformed")
-    return record if field is None else record.get(field)
-
-
-class _ParquetRows:
-  """A Parquet file's `field` column from row `record`, one row group in memory."""
-
-  def __init__(self, path: str, field: str, record: int):
-    import pyarrow.parquet as pq
-
-    self.path, self.field = path, field
-    self._file = pq.ParquetFile(path)
-    self.bad_schema = not has_text_column(self._file.schema_arrow, field)
-    self.record = self.pos = record
-    self._start, self._column = 0, None
-    self._rows = self._file.metadata.num_rows
-
-  def _load(self, row: int) -> None:
-    start = 0
-    for g in range(self._file.num_row_groups):
-      n = self._file.metadata.row_group(g).num_rows
-      if row < start + n:
-        self._start = start
-        self._column = self._file.read_row_group(g, columns=[self.field]).column(0).to_pylist()
-        return
-      start += n
-
-  def next_for(self, shard: int, shards: int):
-    self.record += (shard - self.record) % shards  # This shard's next row.
-    self.pos = self.record
-    if self.record >= self._rows:
-      return None
-    if self.bad_schema:
-      return self.record, self.record, BadRecord("schema")
-    if not self._start <= self.record < self._start + len(self._column or ()):
-      self._load(self.record)
-    return self.record, self.record, self._column[self.record - self._start]
-
-  def advance(self) -> None:
-    self.record += 1
-    self.pos = self.record
-
-
-class _IndexedRecords:
-  """A random-access source (an ArrayRecord file of JSON objects, or a prepared TFDS split)
-  from record `record`: a shard's next record is found by arithmetic, not by reading."""
-
-  def __init__(self, path: str, field: str | None, record: int):
-    self.path, self.field = path, field
-    if path.startswith(TFDS_PREFIX):
-      self._source, self._tfds = tfds_source(path), True
-    else:
-      self._source, self._tfds = grain.sources.ArrayRecordDataSource([path]), False
-    self._len = len(self._source)
-    self.record = self.pos = record
-
-  def next_for(self, shard: int, shards: int):
-    self.record += (shard - self.record) % shards  # This shard's next record.
-    self.pos = self.record
-    if self.record >= self._len:
-      return None
-    value = self._source[self.record]
-    return self.record, self.record, (self._from_tfds(value) if self._tfds
-                                      else _JsonLines._parse(value, self.field))
-
-  def _from_tfds(self, example):
-    if self.field is None:  # Instruction data: the features, text decoded.
-      return {k: _text(v) for k, v in example.items()}
-    if self.field not in example:
-      return BadRecord("missing_field")
-    value = _text(example[self.field])
-    return value if isinstance(value, str) else BadRecord("not_utf8")
-
-  def advance(self) -> None:
-    self.record += 1
-    self.pos = self.record
-
-
-def _text(value):
-  if isinstance(value, (bytes, np.bytes_)):
-    try:
-      return bytes(value).decode("utf-8")
-    except UnicodeDecodeError:
-      return None
-  return value
-
-
-def _parse_tfds(spec: str) -> tuple[str, str, str | None]:
-  """`tfds:<name>[/<config>][@<data_dir>]:<split>` -> (name, split, data_dir)."""
-  body = spec[len(TFDS_PREFIX):]
-  name, _, split = body.rpartition(":")
-  name, _, data_dir = name.partition("@")
-  return name, split, data_dir or None
-
-
-def tfds_source(spec: str):
-  """The split's random-access source. Never prepares anything: a dataset that is not
-  prepared as array_record is refused."""
-  from trainer.data.datasets import _tfds
-  name, split, data_dir = _parse_tfds(spec)
-  builder = _tfds().builder(name, data_dir=data_dir)
-  if not builder.is_prepared():
-    raise CorpusError(f"it is not prepared in {builder.data_dir}")
-  if str(builder.info.file_format) != str(_tfds().core.FileFormat.ARRAY_RECORD):
-    raise CorpusError(f"it is prepared as {builder.info.file_format}, not array_record "
-                      f"(random access)")
-  return builder.as_data_source(split=split)
-
-
-def check_tfds(spec: str, where: str) -> None:
-  """A TFDS source must name a split of a dataset prepared as array_record."""
-  name, split, data_dir = _parse_tfds(spec)
-  if not name or not split:
-    raise CorpusError(f"{where}: {spec!r} is not tfds:<name>[/<config>][@<data_dir>]:<split>.")
-  try:
-    tfds_source(spec)
-  except Exception as e:
-    raise CorpusError(f"{where}: the TFDS source {spec!r} cannot be read ({type(e).__name__}: "
-                      f"{str(e)[:300]}). Prepare it first, as array_record "
-                      f"(tfds.builder({name!r}).download_and_prepare(file_format="
-                      f"'array_record')).") from e
-
-
 def shard_dataset(source: TextSource, tokenizer: Tokenizer, **kwargs) -> grain.IterDataset:
   """`ShardIterator` as a Grain dataset (what `trainer.data.lm` packs and mixes)."""
   return _ShardDataset(source, tokenizer, kwargs)
@@ -542,11 +373,6 @@ class _ShardDataset(grain.IterDataset):
   def __iter__(self) -> ShardIterator:
     source, tokenizer, kwargs = self._args
     return ShardIterator(source, tokenizer, **kwargs)
-
-
-def has_text_column(schema, field: str) -> bool:
-  """Whether a Parquet file's (arrow) schema holds `field` as a string column."""
-  return field in schema.names and str(schema.field(field).type) in ("string", "large_string")
 
 
 def check_schemas(source: TextSource, bad_records: str) -> None:
