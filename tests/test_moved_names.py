@@ -88,3 +88,17 @@ def test_the_sweep_package_keeps_the_modules_names():
   with pytest.raises(AttributeError, match=r"check_sweep_fits is gone: use "
                                            r"trainer.sweep.fit_strategy"):
     sweep.check_sweep_fits  # noqa: B018
+
+
+@pytest.mark.parametrize("old,new,names", [
+    ("trainer.data.corpus", "trainer.data.records",
+     ("CorpusError", "format_of", "FORMATS", "ENDINGS", "TFDS_PREFIX", "tfds_source",
+      "check_tfds", "has_text_column", "BadRecord")),
+    ("trainer.step.model_variables", "trainer.step.rng_streams",
+     ("RngStreams", "MissingRngStreamError")),
+])
+def test_names_of_a_split_module_still_import_from_it(old, new, names):
+  """Files split where they grew past 500 lines: the names that moved are the same objects
+  under their old module."""
+  old_module, new_module = importlib.import_module(old), importlib.import_module(new)
+  assert [n for n in names if getattr(old_module, n, None) is not getattr(new_module, n)] == []

@@ -19,8 +19,8 @@ import optax
 from strategies import Ensemble, Strategy
 from strategies.mesh import bind_size_one_batch_axis
 from trainer.step.errors import explaining_errors
-from trainer.step.model_variables import RngStreams
 from trainer.step.recipe import Recipe
+from trainer.step.rng_streams import RngStreams
 from trainer.step.stages import Batch, GradFn, LossFn, StepAux, differentiated, zero_gradient
 
 PyTree = Any

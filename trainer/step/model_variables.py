@@ -16,10 +16,9 @@ into pure functions over those two trees:
   discarded initialisers are dead code the compiler drops. No NNX transform is
   used; the strategies compile plain jax functions.
 
-RNG streams: the step's keys come as an `RngStreams` mapping, and reading a
-stream the Trainer does not draw raises `MissingRngStreamError` naming
-`Trainer.rng_streams`. An NNX module whose `__call__` takes `rngs` (Flax's
-own NNX examples do) gets the step's `nnx.Rngs` there.
+RNG streams: the step's keys come as a `trainer.step.rng_streams.RngStreams` mapping;
+an NNX module whose `__call__` takes `rngs` (Flax's own NNX examples do) gets the
+step's `nnx.Rngs` there.
 
 BatchNorm without `axis_name`: with `sync_batchnorm` such a layer is bound to
 the step's data axis (`strategies.BATCH_AXIS`), which is what Lightning's
@@ -50,6 +49,7 @@ from jax.sharding import PartitionSpec
 from strategies.mesh import BATCH_AXIS
 from trainer.step.lora import Lora
 from trainer.step.remat import Remat, class_names
+from trainer.step.rng_streams import MissingRngStreamError, RngStreams  # noqa: F401 (moved)
 
 PyTree = Any
 Rngs = Mapping[str, jax.Array]
@@ -61,31 +61,6 @@ _MODE_ARGUMENTS = {"train": True, "training": True, "is_training": True, "determ
 _NOT_STATE = ("params", "intermediates")
 #: The NNX variables that make up `model_state`: everything but parameters and RNG state.
 _NNX_MODEL_STATE = nnx.Not(nnx.Any(nnx.Param, nnx.RngState))
-
-
-class MissingRngStreamError(ValueError):
-  """The model (or `model_inputs`) read an RNG stream that `Trainer.rng_streams` lacks."""
-
-
-class RngStreams(dict):
-  """The keys of one step's RNG streams; a missing stream names `Trainer.rng_streams`.
-
-  A pytree like a dict (its keys sorted), so a hook can pass it into its own
-  `jax.jit` function; inside, a missing stream raises the same error.
-  """
-
-  def __missing__(self, name):
-    raise MissingRngStreamError(
-        f"the model asked for RNG stream {name!r}, but the trainer draws only "
-        f"{sorted(k for k in self if k != 'params')}: add {name!r} to the Trainer "
-        f"subclass's rng_streams (e.g. rng_streams = {(*sorted(self), name)!r}).")
-
-
-jax.tree_util.register_pytree_with_keys(
-    RngStreams,
-    lambda streams: ([(jax.tree_util.DictKey(k), streams[k]) for k in sorted(streams)],
-                     tuple(sorted(streams))),
-    lambda names, keys: RngStreams(zip(names, keys, strict=True)))
 
 
 def _mode_value(name: str, train: bool) -> bool:
