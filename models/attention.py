@@ -188,7 +188,7 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
                      "dropout_rng.")
   seed = _key_words(dropout_rng) if dropout else (jnp.uint32(0), jnp.uint32(0))
   block = blocks.Block(causal=causal, window=window, scale=scale or 1.0 / math.sqrt(d),
-                 rate=float(dropout_rate), seed=seed, total_heads=heads, length=length)
+                       rate=float(dropout_rate), seed=seed, total_heads=heads, length=length)
   packed = segment_ids is not None
   if segment_ids is None:
     segment_ids = jnp.zeros((b, length), jnp.int32)
@@ -241,7 +241,7 @@ def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Ar
   if window is not None:
     allowed = allowed & (distance < window)
   block = blocks.Block(causal=False, window=None, scale=scale or 1.0 / math.sqrt(d), rate=0.0,
-                 seed=None, total_heads=heads, length=k.shape[1])
+                       seed=None, total_heads=heads, length=k.shape[1])
   carry = block.update(blocks.start(b, kv, g, lq, d), q.reshape(b, lq, kv, g, d), k, v, allowed,
                        None, None)
   return blocks.finish(carry, q.dtype)
