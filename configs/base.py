@@ -151,6 +151,10 @@ def get_config() -> ml_collections.ConfigDict:
   config.attention = ml_collections.ConfigDict()
   config.attention.method = "plain"
   config.attention.block_size = 512
+  # What runs the blockwise method: "auto" (on a GPU cuDNN's fused kernel where it can
+  # express the call, XLA's blockwise schedule elsewhere), "xla" or "cudnn" (refused where
+  # the fused kernel cannot run the call).
+  config.attention.implementation = "auto"
   # Rematerialisation (trainer/step/remat.py): recompute activations in the backward pass.
   # `policy`: a jax.checkpoint_policies name (nothing_saveable, dots_saveable,
   # dots_with_no_batch_dims_saveable, ...); "": off. `modules`: module class names whose

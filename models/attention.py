@@ -8,7 +8,8 @@ Without a `context` mesh axis it runs by the method the trainer sets while it tr
 once) or `blockwise` (FlashAttention's schedule in XLA: blocks of queries against
 blocks of keys with an online softmax, its backward pass recomputing each block's
 scores, so memory is linear in the length; a `mask` array falls back to plain; on a
-GPU, cuDNN's fused kernel where it can express the call: `fused_fallback`). Both
+GPU, cuDNN's fused kernel where it can express the call: `fused_fallback`, and
+`config.attention.implementation`). Both
 honour every argument below. Under a strategy whose mesh
 has one (`strategies.context`), each device holds a shard of every sequence and
 the same call runs by the configured method: the keys and values gathered over
@@ -50,6 +51,7 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import logging
 from jax.sharding import PartitionSpec
 
 from models import attention_blocks as blocks
@@ -62,6 +64,11 @@ __all__ = ["attention", "cached_attention", "sequence_positions", "ContextError"
 
 #: How attention runs on a device's whole sequences (`config.attention.method`).
 METHODS = ("plain", "blockwise")
+#: What runs the blockwise method (`config.attention.implementation`), as
+#: `jax.nn.dot_product_attention` names them: `auto` (cuDNN's fused kernel on a GPU where it
+#: can express the call, XLA's blockwise schedule elsewhere), `xla` (XLA's schedule always)
+#: or `cudnn` (the fused kernel; a call it cannot take is refused, naming why).
+IMPLEMENTATIONS = ("auto", "xla", "cudnn")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,10 +83,13 @@ class Method:
       recomputes each query block and each block pair's scores; memory linear in the
       length).
     block_size: the queries and keys of one block (`blockwise`).
+    implementation: what runs `blockwise` on a device's whole sequence, one of
+      `IMPLEMENTATIONS` (under a `context` axis the context methods run).
   """
 
   name: str = "plain"
   block_size: int = 512
+  implementation: str = "auto"
 
   @classmethod
   def from_config(cls, config) -> Method:
@@ -88,9 +98,18 @@ class Method:
     Raises:
       ValueError: naming `config.attention.method` or `.block_size` and what is accepted.
     """
-    method = cls(name=config.attention.method, block_size=config.attention.block_size)
+    method = cls(name=config.attention.method, block_size=config.attention.block_size,
+                 implementation=config.attention.implementation)
     if method.name not in METHODS:
       raise ValueError(f"config.attention.method={method.name!r} is not one of {METHODS}.")
+    if method.implementation not in IMPLEMENTATIONS:
+      raise ValueError(f"config.attention.implementation={method.implementation!r} is not one "
+                       f"of {IMPLEMENTATIONS}.")
+    if method.implementation != "auto" and method.name != "blockwise":
+      raise ValueError(f"config.attention.implementation={method.implementation!r} chooses "
+                       f"what runs the blockwise method, but config.attention.method="
+                       f"{method.name!r}; set the method to 'blockwise', or leave the "
+                       f"implementation 'auto'.")
     if not isinstance(method.block_size, int) or method.block_size < 1:
       raise ValueError(f"config.attention.block_size={method.block_size!r} must be an int "
                        f">= 1 (the queries and keys of one block).")
@@ -103,6 +122,15 @@ _METHOD = Steering("attention_method")
 def using(method: Method | None) -> contextlib.AbstractContextManager:
   """Attention traced inside runs by `method` (None: as it is); the previous one on exit."""
   return contextlib.nullcontext() if method is None else _METHOD.active(method)
+
+
+def at_init(method: Method | None) -> Method | None:
+  """`method` for a model's init: the blockwise method in XLA. An init traces the model in
+  its parameters' dtype, and only the parameters' shapes come out of it, so it asks no
+  fused kernel (`implementation='cudnn'` takes bfloat16 or float16 operands)."""
+  if method is None or method.name != "blockwise":
+    return method
+  return dataclasses.replace(method, implementation="xla")
 
 
 def current_method() -> Method:
@@ -195,12 +223,18 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
   if plan is None:
     method = current_method()
     if method.name == "blockwise" and mask is None:  # A mask array is [length, length].
-      if jax.default_backend() == "gpu" and fused_fallback(
-          q, k, packed=packed, dropout=dropout, window=window, causal=causal) is None:
-        return _fused(block, q, k, v, "cudnn")
+      fused = _fused_where_it_can(method, block, q, k, v, packed=packed, dropout=dropout,
+                                  window=window, causal=causal)
+      if fused is not None:
+        return fused
       return blocks.blockwise(block, min(method.block_size, length), dropout, q, k, v,
                               segment_ids, jnp.asarray(_order(length)))
+    if method.implementation == "cudnn":
+      _refuse_cudnn("a mask array (only plain attention takes one)")
     return _plain(block, q, k, v, segment_ids, mask, dropout)
+  if current_method().implementation == "cudnn":
+    _refuse_cudnn(f"the sequence is split over the {plan.axis!r} mesh axis, where the "
+                  f"context methods ({plan.method!r}) run")
   if mask is not None:
     raise ContextError(
         f"attention(mask=...) under the {plan.axis!r} mesh axis ({plan.axis}={plan.size}, "
@@ -285,6 +319,43 @@ def fused_fallback(q: jax.Array, k: jax.Array, *, packed: bool, dropout: bool,
   if window is not None and not causal:
     return "a window without the causal mask"
   return None
+
+
+def _backend() -> str:
+  return jax.default_backend()
+
+
+_LOGGED: set[str] = set()
+
+
+def _fused_where_it_can(method: Method, block: blocks.Block, q, k, v,
+                        **call) -> jax.Array | None:
+  """This call as cuDNN's fused kernel, or None where XLA's blockwise schedule runs it
+  (`method.implementation`; `auto` says why once per reason in the log on a GPU)."""
+  if method.implementation == "xla":
+    return None
+  backend = _backend()
+  reason = (f"the backend is {backend}, not a GPU" if backend != "gpu"
+            else fused_fallback(q, k, **call))
+  if reason is None:
+    try:
+      return _fused(block, q, k, v, "cudnn")
+    except (NotImplementedError, RuntimeError, ValueError) as e:  # jax's own refusals.
+      reason = f"jax.nn.dot_product_attention(implementation='cudnn') refused it: {e}"
+  if method.implementation == "cudnn":
+    _refuse_cudnn(reason)
+  if backend == "gpu" and reason not in _LOGGED:
+    _LOGGED.add(reason)
+    logging.info("attention: XLA's blockwise schedule instead of cuDNN's fused kernel: %s",
+                 reason)
+  return None
+
+
+def _refuse_cudnn(reason: str):
+  raise ValueError(
+      f"config.attention.implementation='cudnn': this attention call cannot run as cuDNN's "
+      f"fused kernel: {reason}. Set it to 'auto' (cuDNN where it can, XLA's blockwise "
+      f"schedule elsewhere) or 'xla'.")
 
 
 def _fused(block: blocks.Block, q, k, v, implementation: str | None) -> jax.Array:

@@ -174,8 +174,6 @@ class GPT2LM(nn.Module):
     block = dict(num_heads=self.num_heads, head_dim=self.embed_dim // self.num_heads,
                  mlp_dim=self.mlp_dim, layer_norm_epsilon=self.layer_norm_epsilon,
                  dropout_rate=self.dropout_rate, deterministic=not train)
-    if segment_ids is None:
-      segment_ids = jnp.zeros(tokens.shape, jnp.int32)
     x, _ = LayerStack(GPT2Block, self.num_layers, block, name="blocks")((x, segment_ids))
     x = _norm("ln_f", self.layer_norm_epsilon)(x)
     logits = mask_padding(embedding.attend(x), self.vocab_size)

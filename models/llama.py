@@ -229,15 +229,16 @@ class LlamaLM(nnx.Module):
     check_length(tokens.shape[1], self.max_len)
     if positions is None:
       positions = sequence_positions(*tokens.shape)
-    if segment_ids is None:
-      segment_ids = jnp.zeros(tokens.shape, jnp.int32)
-    x = nn.with_logical_constraint(self.embed_tokens(tokens), ("batch", "length", "embed"))
+    # The table as the step holds it (bfloat16 under mixed precision): nnx.Embed's output
+    # takes its `dtype`, float32 unless given, and would run every layer in float32.
+    table = self.embed_tokens.embedding[...]
+    x = nn.with_logical_constraint(jnp.take(table, tokens, axis=0), ("batch", "length", "embed"))
     carry = (x, segment_ids, positions)
     if self.num_experts:
       carry += (RouterStats.zeros(tokens.shape[0], self.num_experts),)
     x, *_, stats = self.blocks(carry)
     x = self.norm(x)
-    logits = (self.embed_tokens.attend(x) if self.lm_head is None else self.lm_head(x))
+    logits = jnp.dot(x, table.T) if self.lm_head is None else self.lm_head(x)
     logits = mask_padding(logits, self.vocab_size)
     logits = nn.with_logical_constraint(logits, ("batch", "length", "vocab"))
     return MoeOutput(logits, stats.total()) if self.num_experts else logits

@@ -27,7 +27,8 @@ def _param(init, names: tuple[str, ...]):
 
 class DecoderBlock(nn.Module):
   """Pre-norm causal self-attention and MLP, `(x, segment_ids) -> (x, segment_ids)`: one
-  layer of a `LayerStack` (the segment ids of a packed batch travel with the activations).
+  layer of a `LayerStack` (the segment ids of a packed batch travel with the activations;
+  None for rows that are not packed, so that attention may take a fused kernel).
   With `num_experts` the MLP is a mixture of experts (`models.moe.MoeMlp`, SwiGLU experts)
   and the carry also holds the router's statistics."""
 
@@ -130,8 +131,6 @@ class TransformerLM(nn.Module):
     where = sequence_positions(*tokens.shape) if positions is None else positions
     x = nn.with_logical_constraint(x + jnp.take(table, where, axis=0),
                                    ("batch", "length", "embed"))
-    if segment_ids is None:
-      segment_ids = jnp.zeros(tokens.shape, jnp.int32)
     block = dict(num_heads=self.num_heads, head_dim=self.head_dim, mlp_dim=self.mlp_dim,
                  num_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok,
                  capacity_factor=self.capacity_factor, moe_dispatch=self.moe_dispatch)

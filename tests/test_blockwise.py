@@ -115,12 +115,34 @@ def test_the_dry_run_at_8192_tokens_needs_an_eighth_of_the_temporaries():
     ("method", "flash", r"config\.attention\.method='flash' is not one of \('plain', "
                         r"'blockwise'\)"),
     ("block_size", 0, r"config\.attention\.block_size=0 must be an int >= 1"),
+    ("implementation", "triton", r"config\.attention\.implementation='triton' is not one of "
+                                 r"\('auto', 'xla', 'cudnn'\)"),
+    ("implementation", "xla", r"config\.attention\.implementation='xla' chooses what runs the "
+                              r"blockwise method, but config\.attention\.method='plain'"),
 ])
 def test_bad_fields_are_refused(field, value, message):
   config = tiny_lm_config("data_parallel")
   config.attention[field] = value
   with pytest.raises(ValueError, match=message):
     LanguageModelTrainer(config)
+
+
+def test_cudnn_is_refused_where_it_cannot_run_before_any_step():
+  """`implementation='cudnn'` is refused when the step is traced, before it runs, naming the
+  field and why: here the backend is a CPU; under a context axis the context methods run.
+  (The init traces in float32 by XLA's schedule.)"""
+  tokens = np.zeros((16, 16), np.int32)
+  batch = {"inputs": tokens, "targets": tokens}
+  for layout, why in (("data_parallel", r"the backend is cpu, not a GPU"),
+                      ("context", r"the sequence is split over the 'context' mesh axis")):
+    config = tiny_lm_config(layout)
+    config.attention.update(method="blockwise", implementation="cudnn")
+    trainer = LanguageModelTrainer(config)
+    state = trainer.init_state(batch)
+    with pytest.raises(ValueError, match=r"config\.attention\.implementation='cudnn': this "
+                                         r"attention call cannot run as cuDNN's fused kernel: "
+                                         + why):
+      trainer.compiled.train(state).trace(state, trainer.strategy.put_batch(batch))
 
 
 @pytest.mark.parametrize("causal, window, kv", [(True, None, 4), (True, 5, 2), (False, None, 1)])
@@ -151,3 +173,71 @@ def test_what_the_fused_kernel_cannot_express_falls_back_to_blockwise():
            "a window without the causal mask": (bf16, {**ok, "window": 8, "causal": False})}
   for reason, (q, fields) in cases.items():
     assert reason in attention_lib.fused_fallback(q, q, **fields)
+
+
+@pytest.mark.parametrize("implementation", ["auto", "xla"])
+def test_on_a_gpu_a_call_cudnn_refuses_runs_blockwise_in_xla(implementation, monkeypatch,
+                                                             caplog):
+  """On a GPU backend `auto` tries cuDNN's fused kernel for a call it can express; where jax
+  refuses it (here: no cuDNN on this machine) XLA's blockwise schedule runs, and the log
+  says why. `xla` never tries the kernel."""
+  monkeypatch.setattr(attention_lib, "_backend", lambda: "gpu")
+  monkeypatch.setattr(attention_lib, "_LOGGED", set())
+  tried = []
+  fused = attention_lib._fused
+  monkeypatch.setattr(attention_lib, "_fused",
+                      lambda *a: tried.append(a[-1]) or fused(*a))
+  keys = jax.random.split(jax.random.PRNGKey(5), 3)
+  q, k, v = (jax.random.normal(key, (2, 24, 4, 8), jnp.bfloat16) for key in keys)
+  with attention_lib.using(attention_lib.Method("plain")):
+    want = attention_lib.attention(q, k, v)
+  with caplog.at_level("INFO"), attention_lib.using(
+      attention_lib.Method("blockwise", 8, implementation)):
+    got = attention_lib.attention(q, k, v)
+  # bfloat16 operands: both round their float32 sums to 8 bits of mantissa.
+  np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                             atol=2 ** -7, rtol=0)
+  if implementation == "xla":
+    assert tried == [] and "cuDNN" not in caplog.text
+  else:
+    assert tried == ["cudnn"]
+    assert "XLA's blockwise schedule instead of cuDNN's fused kernel: jax.nn." \
+           "dot_product_attention(implementation='cudnn') refused it: cuDNN is not detected" \
+           in caplog.text
+
+
+@pytest.mark.parametrize("family", ["transformer", "gpt2", "llama"])
+def test_on_a_gpu_every_attention_call_of_an_unpacked_lm_step_can_run_as_cudnn(family,
+                                                                                monkeypatch):
+  """A bfloat16 LM step on unpacked rows, under `implementation='cudnn'` with the backend a
+  GPU: every attention call of the step reaches the fused kernel (here jax's XLA
+  implementation of that call stands in for cuDNN), and the step's loss is the one of XLA's
+  blockwise schedule to bfloat16's precision. (A model that filled in segment ids for
+  unpacked rows would be refused, as the three did: segment_ids; so would one whose
+  layers ran in float32 under bfloat16 compute, as the NNX Llama's did: its embedding
+  lookup gave float32.)"""
+  monkeypatch.setattr(attention_lib, "_backend", lambda: "gpu")
+  fused = attention_lib._fused
+  asked = []
+  monkeypatch.setattr(attention_lib, "_fused", lambda block, q, k, v, implementation: (
+      asked.append(implementation) or fused(block, q, k, v, None)))
+  tokens = np.random.default_rng(0).integers(0, 32, (16, 16)).astype(np.int32)
+  batch = {"inputs": tokens, "targets": np.roll(tokens, -1, axis=1)}
+  losses = {}
+  for implementation in ("cudnn", "xla"):
+    config = tiny_lm_config("data_parallel", **{"model.family": family, "model.embed_dim": 64,
+                                                "model.head_dim": 8})
+    if family == "llama":
+      config.model.num_kv_heads = 2
+    config.strategy.name = "single_device"
+    config.mixed_precision.compute_dtype = "bfloat16"
+    config.attention.update(method="blockwise", block_size=4, implementation=implementation)
+    trainer = LanguageModelTrainer(config)
+    state = trainer.init_state(batch)
+    assert asked == []  # The init traces in float32, by XLA's schedule.
+    _, metrics = trainer.compiled.train(state)(state, trainer.strategy.put_batch(batch))
+    losses[implementation] = float(metrics["metrics"].compute()["loss"])
+    # Under 'cudnn' a call the kernel could not take would have been refused.
+    assert asked == [] if implementation == "xla" else asked and set(asked) == {"cudnn"}, asked
+    asked.clear()
+  np.testing.assert_allclose(losses["cudnn"], losses["xla"], rtol=2 ** -7)

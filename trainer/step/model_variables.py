@@ -37,6 +37,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import dataclasses
+import functools
 import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -68,14 +69,13 @@ def _mode_value(name: str, train: bool) -> bool:
   return train if _MODE_ARGUMENTS[name] else not train
 
 
-def _under_attention(method):
+def _under_attention(method, *, init: bool = False):
   """`method` run with the shared attention's method set (`models.attention.using`)."""
-  import functools
 
   @functools.wraps(method)
   def traced(self, *args, **kwargs):
     from models import attention
-    with attention.using(self.attention):
+    with attention.using(attention.at_init(self.attention) if init else self.attention):
       return method(self, *args, **kwargs)
 
   return traced
@@ -233,7 +233,7 @@ class LinenVariables(ModelVariables):
       kwargs.setdefault(name, _mode_value(name, train))
     return _with_mode_fields(self._with_lora(args, kwargs), train), args, kwargs
 
-  @_under_attention
+  @functools.partial(_under_attention, init=True)
   def init(self, rngs: Rngs, inputs: Inputs) -> tuple[PyTree, PyTree]:
     module, args, kwargs = self._in_mode(inputs, train=False)
     seen: set[str] = set()
@@ -430,7 +430,7 @@ class NnxVariables(ModelVariables):
     rest = nnx.state(model, _NNX_MODEL_STATE)
     return _boxed_tree(params), nnx.to_pure_dict(rest)
 
-  @_under_attention
+  @functools.partial(_under_attention, init=True)
   def init(self, rngs: Rngs, inputs: Inputs) -> tuple[PyTree, PyTree]:
     model = self._build(rngs)
     if self._remat and self._remat.modules:
