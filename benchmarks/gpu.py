@@ -8,6 +8,11 @@ size that stage means on one GPU (`--size gpu`, the default when jax's default
 backend is a GPU) or at a smoke size that checks the command end to end in
 seconds (`--size smoke`, the default elsewhere):
 
+- `attention` (first): the LM's step on one long sequence (`long_context.py` with no
+  context axis), its temporaries and time at 1K, 4K and 8K tokens, one device, in
+  bfloat16: plain attention against the blockwise method in XLA (`blockwise:xla`) and as
+  cuDNN's fused kernel (`blockwise:cudnn`, `config.attention.implementation`; where
+  cuDNN cannot take the call, that row says why);
 - `mfu`: the transformer LM's tokens/s, TFLOP/s and MFU at two sizes
   (`lm_mfu.py`, 27M and 740M parameters, bfloat16) beside a bare matmul;
 - `steps_per_call`: `fit` with k steps per call, host and device data, against
@@ -16,10 +21,6 @@ seconds (`--size smoke`, the default elsewhere):
   (`sweep_vs_runs.py`);
 - `moe`: grouped `ragged_dot` experts against the one-hot einsum dispatch and the
   dense model (`moe.py`);
-- `attention`: the LM's step on one long sequence, its temporaries and time at
-  1K, 4K and 8K tokens, one device, plain against blockwise attention in bfloat16
-  (`long_context.py` with no context axis; on a GPU blockwise runs as cuDNN's fused
-  kernel, `models.attention.fused_fallback`);
 - `generation`: the key/value-cache decoder against recomputing the window for every
   token, a GPT-2 of 12 x 768 (`generation.py`);
 - `ensemble`: 4 members on one device, looped against `vmap`ped, against 4
@@ -45,6 +46,15 @@ HERE = os.path.join(ROOT, "benchmarks")
 
 #: name -> {size -> the script's arguments}. The first item is the script.
 STAGES = {
+    # First: the one stage whose kernel (cuDNN's fused attention) has not yet run here.
+    "attention": {
+        "gpu": ["long_context.py", "--seqs", "1024,4096,8192", "--contexts", "", "--attention",
+                "plain,blockwise:xla,blockwise:cudnn", "--compute-dtype", "bfloat16",
+                "--rounds", "3"],
+        "smoke": ["long_context.py", "--seqs", "32", "--contexts", "", "--attention",
+                  "plain,blockwise:xla,blockwise:cudnn", "--block-size", "8", "--rounds", "1",
+                  "--block-seconds", "0.01"],
+    },
     "mfu": {
         "gpu": ["lm_mfu.py", "--sizes", "gpu,gpu_large", "--steps", "10", "--repeats", "3"],
         "smoke": ["lm_mfu.py", "--sizes", "cpu", "--layers", "1", "--batch", "2", "--steps",
@@ -64,13 +74,6 @@ STAGES = {
                 "512", "--expert-width", "1024", "--rounds", "2", "--block-seconds", "0.5"],
         "smoke": ["moe.py", "--experts", "4", "--seq", "16", "--batch", "2", "--embed", "16",
                   "--expert-width", "16", "--rounds", "1", "--block-seconds", "0.01"],
-    },
-    "attention": {
-        "gpu": ["long_context.py", "--seqs", "1024,4096,8192", "--contexts", "", "--attention",
-                "plain,blockwise", "--compute-dtype", "bfloat16", "--rounds", "3"],
-        "smoke": ["long_context.py", "--seqs", "32", "--contexts", "", "--attention",
-                  "plain,blockwise", "--block-size", "8", "--rounds", "1",
-                  "--block-seconds", "0.01"],
     },
     "generation": {
         "gpu": ["generation.py", "--family", "gpt2", "--layers", "12", "--embed", "768",

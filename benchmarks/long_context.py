@@ -5,12 +5,15 @@ split over a `context` axis of 4 and 8 devices, by all-gather and by ring attent
 
 For each sequence length: the transformer LM of `configs/lm.py` (2 layers, width 64,
 8 heads; one sequence per step) on one device (`none`, no context axis, plain attention;
-with `--attention plain,blockwise` also `blockwise`, `config.attention.method`), and under
+with `--attention plain,blockwise` also `blockwise`, `config.attention.method`; `blockwise:xla`
+or `blockwise:cudnn` also sets `config.attention.implementation`), and under
 `configs/lm.py:context` with `context=4` and `context=8` for each method. Printed per
 run: XLA's temporaries per device of the compiled step (`memory_analysis()`: the
 activations kept for the backward pass, the attention scores among them), the bytes
 its collectives move per device (`trainer.plan.count_collective_bytes`), and the median
 step time over rounds (the order rotating), each as a ratio to `none` at that length.
+A run the config refuses (`blockwise:cudnn` where cuDNN cannot take the call) prints
+its reason in place of its figures, and the others run.
 
 On a CPU the fake devices share the machine's cores, so the step time is the methods'
 total work and overhead, not what separate accelerators would take; the temporaries
@@ -33,8 +36,9 @@ def main():
                       help="context axis sizes ('': one device alone, no context axis)")
   parser.add_argument("--methods", default="all_gather,ring", help="attention methods")
   parser.add_argument("--attention", default="plain",
-                      help="one-device attention methods (config.attention.method): plain is "
-                           "`none`; e.g. plain,blockwise adds a blockwise row per length")
+                      help="one-device attention methods (config.attention.method[:"
+                           "implementation]): plain is `none`; e.g. plain,blockwise adds a "
+                           "blockwise row per length, blockwise:cudnn one on cuDNN's kernel")
   parser.add_argument("--block-size", type=int, default=512, help="blockwise's block")
   parser.add_argument("--compute-dtype", default="float32",
                       help="config.mixed_precision.compute_dtype (bfloat16: on a GPU, "
@@ -69,11 +73,14 @@ def main():
       for method in args.methods.split(","):
         variants[f"context={c} {method}"] = ("context", c, method, "plain")
     runs, temp, moved = {}, {}, {}
+    refused = {}
     for name, (layout, size, method, attention) in variants.items():
       config = lm.get_config(layout)
       config.update(seq_len=seq, batch_size=1, eval_batch_size=1)
       config.model.max_len = seq
-      config.attention.update(method=attention, block_size=args.block_size)
+      attention, _, implementation = attention.partition(":")
+      config.attention.update(method=attention, block_size=args.block_size,
+                              implementation=implementation or "auto")
       config.mixed_precision.compute_dtype = args.compute_dtype
       strategy = None
       if method is None:
@@ -87,11 +94,18 @@ def main():
             context=context.config_fields(config))
       trainer = LanguageModelTrainer(config, strategy=strategy)
       batch = next(synthetic_token_batches(0, 1, seq, config.model.vocab_size))
-      runs[name], temp[name] = compiled_run(trainer, batch)
+      try:
+        runs[name], temp[name] = compiled_run(trainer, batch)
+      except ValueError as e:  # The config refused it while tracing (see the docstring).
+        refused[name] = str(e).split("\n")[0]
+        continue
       moved[name] = sum(count_collective_bytes(runs[name][0].as_text()).values()) / 2**20
     times = rotating_rounds(runs, "none", rounds=args.rounds, block_seconds=args.block_seconds,
                             min_steps=1)
     for name in variants:
+      if name in refused:
+        print(f"{seq:>6} {name:<21} refused: {refused[name]}", flush=True)
+        continue
       ratios = [t / b for t, b in zip(times[name], times["none"], strict=True)]
       print(f"{seq:>6} {name:<21} {temp[name]:13.1f} {temp[name] / temp['none']:7.3f}x "
             f"{moved[name]:13.2f} {statistics.median(times[name]):8.4f} "
