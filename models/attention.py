@@ -96,7 +96,8 @@ class Method:
     """`config.attention`'s method.
 
     Raises:
-      ValueError: naming `config.attention.method` or `.block_size` and what is accepted.
+      ValueError: naming `config.attention.method`, `.block_size` or `.implementation`
+        and what is accepted.
     """
     method = cls(name=config.attention.method, block_size=config.attention.block_size,
                  implementation=config.attention.implementation)
