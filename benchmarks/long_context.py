@@ -12,8 +12,8 @@ run: XLA's temporaries per device of the compiled step (`memory_analysis()`: the
 activations kept for the backward pass, the attention scores among them), the bytes
 its collectives move per device (`trainer.plan.count_collective_bytes`), and the median
 step time over rounds (the order rotating), each as a ratio to `none` at that length.
-A run the config refuses (`blockwise:cudnn` where cuDNN cannot take the call) prints
-its reason in place of its figures, and the others run.
+A run the config refuses (`blockwise:cudnn` where cuDNN cannot take the call), or whose
+step fails to compile or run, prints why in place of its figures, and the others run.
 
 On a CPU the fake devices share the machine's cores, so the step time is the methods'
 total work and overhead, not what separate accelerators would take; the temporaries
@@ -97,14 +97,19 @@ def main():
       try:
         runs[name], temp[name] = compiled_run(trainer, batch)
       except ValueError as e:  # The config refused it while tracing (see the docstring).
-        refused[name] = str(e).split("\n")[0]
+        refused[name] = f"refused: {str(e).splitlines()[0]}"
+        continue
+      except Exception as e:  # noqa: BLE001 -- a kernel XLA could not compile or run.
+        if name == "none":
+          raise
+        refused[name] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:300]}"
         continue
       moved[name] = sum(count_collective_bytes(runs[name][0].as_text()).values()) / 2**20
     times = rotating_rounds(runs, "none", rounds=args.rounds, block_seconds=args.block_seconds,
                             min_steps=1)
     for name in variants:
       if name in refused:
-        print(f"{seq:>6} {name:<21} refused: {refused[name]}", flush=True)
+        print(f"{seq:>6} {name:<21} {refused[name]}", flush=True)
         continue
       ratios = [t / b for t, b in zip(times[name], times["none"], strict=True)]
       print(f"{seq:>6} {name:<21} {temp[name]:13.1f} {temp[name] / temp['none']:7.3f}x "
