@@ -28,10 +28,14 @@ from conftest import (
   mlp_config,
   vector_batches,
 )
+from flax import nnx
 
+import configs.base as base
 import models
 from trainer.checkpoint import Checkpointer
+from trainer.language_model import synthetic_token_batches
 from trainer.step import optim
+from trainer.step.precision import embeddings_follow_their_tables
 from trainer.step.recipe import MixedPrecision
 
 
@@ -221,6 +225,44 @@ def test_bfloat16_computes_in_bfloat16_and_trains_like_float32():
   error = np.linalg.norm(moved["bf16"] - moved["f32"]) / np.linalg.norm(moved["f32"])
   assert 0 < error < 0.1, error
   assert result.final_eval["nll"] == pytest.approx(f32.final_eval["nll"], rel=0.02)
+
+
+def _matmuls(trainer, batch) -> list[str]:
+  """The lowered train step's convolutions and matmuls (forward and backward)."""
+  state = trainer.init_state(batch)
+  lowered = trainer.compiled.train(state).lower(state, trainer.strategy.put_batch(batch))
+  return re.findall(r"stablehlo\.(?:convolution|dot_general).*", lowered.as_text())
+
+
+def test_a_users_nnx_decoder_with_default_embeddings_computes_in_bfloat16():
+  # Token and position `nnx.Embed`s built without a dtype, as Flax's NNX examples write them:
+  # NNX fixes their dtype at float32 when built, which would cast the bf16 tables back.
+  config = base.get_config()
+  config.batch_size = config.eval_batch_size = 8
+  config.mixed_precision.compute_dtype = "bfloat16"
+  batch = next(iter(synthetic_token_batches(0, 8, 8, 32)))
+  ops = _matmuls(um.MiniGptTrainer(config), batch)
+  assert len(ops) >= 12  # Attention, MLP and head, forward and backward.
+  # Every product takes bf16 operands, or multiplies them as bf16 (Flax's attention keeps
+  # its softmax in f32 and names the product's precision: `lhs_precision_type = bf16`).
+  as_bf16 = "algorithm = <lhs_precision_type = bf16, rhs_precision_type = bf16"
+  operands = [(op.split(" : (")[1].split(") ->")[0], as_bf16 in op) for op in ops]
+  assert all(named or ("bf16" in o and "xf32>" not in o) for o, named in operands), ops
+
+
+def test_an_nnx_embed_follows_its_table_unless_built_with_another_dtype():
+  class Two(nnx.Module):
+    def __init__(self, rngs):
+      self.default = nnx.Embed(8, 4, rngs=rngs)
+      self.half = nnx.Embed(8, 4, dtype=jnp.float16, rngs=rngs)
+
+  model = Two(nnx.Rngs(0))
+  graph, params = nnx.split(model)
+  model = nnx.merge(graph, jax.tree.map(lambda x: x.astype(jnp.bfloat16), params))
+  assert model.default(jnp.arange(3)).dtype == jnp.float32  # NNX's own: fixed when built.
+  embeddings_follow_their_tables(model)
+  assert model.default(jnp.arange(3)).dtype == jnp.bfloat16
+  assert model.half(jnp.arange(3)).dtype == jnp.float16
 
 
 def test_float16_scales_the_loss_and_unscales_the_gradients():

@@ -13,8 +13,7 @@ into pure functions over those two trees:
   members and seeds each get their own parameters and nothing is materialised
   on one device first. In a step the module is rebuilt from the step's RNG
   streams, then its parameters and state are replaced (`nnx.update`): the
-  discarded initialisers are dead code the compiler drops. No NNX transform is
-  used; the strategies compile plain jax functions.
+  discarded initialisers are dead code the compiler drops (no NNX transform is used).
 
 RNG streams: the step's keys come as a `trainer.step.rng_streams.RngStreams` mapping;
 an NNX module whose `__call__` takes `rngs` (Flax's own NNX examples do) gets the
@@ -49,6 +48,7 @@ from jax.sharding import PartitionSpec
 
 from strategies.mesh import BATCH_AXIS
 from trainer.step.lora import Lora
+from trainer.step.precision import embeddings_follow_their_tables
 from trainer.step.remat import Remat, class_names
 from trainer.step.rng_streams import MissingRngStreamError, RngStreams  # noqa: F401 (moved)
 
@@ -347,16 +347,12 @@ def _with_mode_fields(module: nn.Module, train: bool) -> nn.Module:
   return module.clone(**updates) if updates else module
 
 
-def _is_variable(x: Any) -> bool:
-  return isinstance(x, nnx.Variable)
-
-
 def _boxed_tree(state: Mapping) -> dict:
   """An `nnx.State` as nested dicts of arrays; annotated ones boxed with their names (a
   `PartitionSpec`'s as mesh axes, `nn.Partitioned`; other names as logical ones)."""
   out = {}
   for key, value in state.items():
-    if _is_variable(value):
+    if isinstance(value, nnx.Variable):
       names = value.get_metadata().get("out_sharding")
       array = value.get_value()
       # A PartitionSpec names mesh axes; a tuple of names may be logical ones.
@@ -477,6 +473,7 @@ class NnxVariables(ModelVariables):
     rest = nnx.state(model, _NNX_MODEL_STATE)
     nnx.replace_by_pure_dict(rest, model_state)
     nnx.update(model, values, rest)
+    embeddings_follow_their_tables(model)  # Under a bfloat16 step: computes in bfloat16.
     return nnx.view(model, deterministic=not train, use_running_average=not train,
                     raise_if_not_found=False)
 

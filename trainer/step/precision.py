@@ -18,6 +18,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import ml_collections
+from flax import nnx
 
 PyTree = Any
 
@@ -67,3 +68,17 @@ class Precision:
   def to_float32(self, tree: PyTree) -> PyTree:
     """Floating arrays of `tree` (outputs) back in float32, for losses and metrics."""
     return self._cast(tree, jnp.float32) if self.is_mixed else tree
+
+
+def embeddings_follow_their_tables(model: nnx.Module) -> None:
+  """Each `nnx.Embed` of `model` built with NNX's default dtype computes in its table's
+  dtype as the step gives it, as Linen's `nn.Embed` does.
+
+  NNX fixes that default when the layer is built (`dtype or` its table's dtype then,
+  float32), so under a bfloat16 or float16 step (`config.mixed_precision.compute_dtype`)
+  the layer would cast its table back to float32, and every layer after it would compute
+  in float32. An Embed built with a dtype other than its `param_dtype` keeps it.
+  """
+  for _, module in nnx.iter_modules(model):
+    if isinstance(module, nnx.Embed) and module.dtype == module.param_dtype:
+      module.dtype = module.embedding[...].dtype
