@@ -8,6 +8,9 @@ gradients; the dry run's step temporaries for the long-context guide's model at 
 tokens are at most 1/8 of plain attention's; bad fields are refused naming them.
 """
 
+import importlib
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -206,6 +209,42 @@ def test_on_a_gpu_a_call_cudnn_refuses_runs_blockwise_in_xla(implementation, mon
     assert "XLA's blockwise schedule instead of cuDNN's fused kernel: jax.nn." \
            "dot_product_attention(implementation='cudnn') refused it: cuDNN is not detected" \
            in caplog.text
+
+
+@pytest.mark.parametrize("family,window", [("transformer", None), ("llama", 8)])
+def test_under_cudnn_an_lm_step_lowers_for_cuda_with_its_mask_window_and_scale(family, window,
+                                                                            monkeypatch):
+  """The bfloat16 step under `implementation='cudnn'`, lowered for CUDA on this machine: jax's
+  cuDNN rule takes every call (its head width, layout, grouped heads and window checks run
+  here; the GPU's cuDNN version and compute capability are stood in for: 9.10, Hopper), and
+  its forward and backward kernels get the step's causal mask, window and scale."""
+  fused_attention = importlib.import_module("jax._src.cudnn.fused_attention_stablehlo")
+  monkeypatch.setattr(fused_attention, "check_cudnn_version", lambda: 91000)
+  monkeypatch.setattr(fused_attention, "check_compute_capability", lambda capability: True)
+  monkeypatch.setattr(fused_attention, "is_cuda_compute_capability_equal", lambda c: False)
+  monkeypatch.setattr(attention_lib, "_backend", lambda: "gpu")
+  config = tiny_lm_config("data_parallel", **{"model.family": family, "model.embed_dim": 64,
+                                              "model.head_dim": 8})
+  if family == "llama":
+    config.model.update(num_kv_heads=2, sliding_window=window)
+  config.strategy.name = "single_device"
+  config.mixed_precision.compute_dtype = "bfloat16"
+  config.attention.update(method="blockwise", block_size=4, implementation="cudnn")
+  trainer = LanguageModelTrainer(config)
+  tokens = np.random.default_rng(0).integers(0, 32, (16, 16)).astype(np.int32)
+  batch = {"inputs": tokens, "targets": np.roll(tokens, -1, axis=1)}
+  state = trainer.init_state(batch)
+  lowered = trainer.compiled.train(state).trace(state, trainer.strategy.put_batch(batch)).lower(
+      lowering_platforms=("cuda",))
+  calls = [line for line in lowered.as_text().splitlines() if "__cudnn$fmha" in line]
+  kernels = sorted(re.search(r"__cudnn\$(fmha\w+)", c).group(1) for c in calls)
+  assert kernels == ["fmhaSoftmax", "fmhaSoftmaxBackward"], kernels  # The layers' scan body.
+  for call in calls:
+    config_text = call.replace("\\22", '"')
+    assert '"mask_type": "CAUSAL"' in config_text
+    assert f'"sliding_window_length": {window or 0},' in config_text
+    scale = float(re.search(r'"fmha_scale": ([\d.e-]+)', config_text).group(1))
+    assert scale == pytest.approx(8 ** -0.5, rel=1e-12)
 
 
 @pytest.mark.parametrize("family", ["transformer", "gpt2", "llama"])
