@@ -13,6 +13,7 @@ seconds (`--size smoke`, the default elsewhere):
   bfloat16: plain attention against the blockwise method in XLA (`blockwise:xla`) and as
   cuDNN's fused kernel (`blockwise:cudnn`, `config.attention.implementation`; where
   cuDNN cannot take the call, that row says why);
+- `attention_wide`: the same three at 8K tokens with heads 64 wide (`--head-dim 64`);
 - `mfu`: the transformer LM's tokens/s, TFLOP/s and MFU at two sizes
   (`lm_mfu.py`, 27M and 740M parameters, bfloat16) beside a bare matmul;
 - `steps_per_call`: `fit` with k steps per call, host and device data, against
@@ -54,6 +55,16 @@ STAGES = {
         "smoke": ["long_context.py", "--seqs", "32", "--contexts", "", "--attention",
                   "plain,blockwise:xla,blockwise:cudnn", "--block-size", "8", "--rounds", "1",
                   "--block-seconds", "0.01"],
+    },
+    # The same rows at 8K tokens with heads 64 wide, a width models use (cuDNN's kernels are
+    # tuned for such widths; the stage above keeps the LM's 8 for comparison with earlier runs).
+    "attention_wide": {
+        "gpu": ["long_context.py", "--seqs", "8192", "--contexts", "", "--attention",
+                "plain,blockwise:xla,blockwise:cudnn", "--compute-dtype", "bfloat16",
+                "--head-dim", "64", "--rounds", "3"],
+        "smoke": ["long_context.py", "--seqs", "32", "--contexts", "", "--attention",
+                  "plain,blockwise:xla,blockwise:cudnn", "--block-size", "8", "--head-dim",
+                  "16", "--rounds", "1", "--block-seconds", "0.01"],
     },
     "mfu": {
         "gpu": ["lm_mfu.py", "--sizes", "gpu,gpu_large", "--steps", "10", "--repeats", "3"],

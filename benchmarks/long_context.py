@@ -4,8 +4,9 @@ split over a `context` axis of 4 and 8 devices, by all-gather and by ring attent
     python benchmarks/long_context.py [--seqs 1024,2048,4096] [--rounds 3]
 
 For each sequence length: the transformer LM of `configs/lm.py` (2 layers, width 64,
-8 heads; one sequence per step) on one device (`none`, no context axis, plain attention;
-with `--attention plain,blockwise` also `blockwise`, `config.attention.method`; `blockwise:xla`
+8 heads of 8, or of `--head-dim`; one sequence per step) on one device (`none`, no
+context axis, plain attention; with `--attention plain,blockwise` also `blockwise`,
+`config.attention.method`; `blockwise:xla`
 or `blockwise:cudnn` also sets `config.attention.implementation`), and under
 `configs/lm.py:context` with `context=4` and `context=8` for each method. Printed per
 run: XLA's temporaries per device of the compiled step (`memory_analysis()`: the
@@ -40,6 +41,8 @@ def main():
                            "implementation]): plain is `none`; e.g. plain,blockwise adds a "
                            "blockwise row per length, blockwise:cudnn one on cuDNN's kernel")
   parser.add_argument("--block-size", type=int, default=512, help="blockwise's block")
+  parser.add_argument("--head-dim", type=int, default=8,
+                      help="each head's width (8 heads; 8 is configs/lm.py's)")
   parser.add_argument("--compute-dtype", default="float32",
                       help="config.mixed_precision.compute_dtype (bfloat16: on a GPU, "
                            "blockwise runs as cuDNN's fused kernel where it can)")
@@ -59,7 +62,8 @@ def main():
   from trainer.plan import count_collective_bytes
 
   print(f"{jax.devices()[0].device_kind} ({jax.devices()[0].platform}), "
-        f"{len(jax.devices())} devices; LM 2 layers x 64, 8 heads; {args.compute_dtype}; one "
+        f"{len(jax.devices())} devices; LM 2 layers x 64, 8 heads of {args.head_dim}; "
+        f"{args.compute_dtype}; one "
         f"sequence per step; "
         f"{args.rounds} rounds")
   print(f"{'seq':>6} {'run':<21} {'temp MiB/dev':>13} {'vs none':>8} {'coll MiB/dev':>13} "
@@ -77,7 +81,7 @@ def main():
     for name, (layout, size, method, attention) in variants.items():
       config = lm.get_config(layout)
       config.update(seq_len=seq, batch_size=1, eval_batch_size=1)
-      config.model.max_len = seq
+      config.model.update(max_len=seq, head_dim=args.head_dim)
       attention, _, implementation = attention.partition(":")
       config.attention.update(method=attention, block_size=args.block_size,
                               implementation=implementation or "auto")
