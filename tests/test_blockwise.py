@@ -211,6 +211,21 @@ def test_on_a_gpu_a_call_cudnn_refuses_runs_blockwise_in_xla(implementation, mon
            in caplog.text
 
 
+def _bf16_lm(family: str, implementation: str, **model) -> tuple[LanguageModelTrainer, dict]:
+  """A bfloat16 LM (64 wide, heads 8 wide; llama with 2 key/value heads; `model`'s fields)
+  on one device under the blockwise method with `implementation`, and a batch of unpacked
+  rows."""
+  config = tiny_lm_config("data_parallel", **{"model.family": family, "model.embed_dim": 64,
+                                              "model.head_dim": 8})
+  config.model.update(num_kv_heads=2 if family == "llama" else config.model.num_kv_heads,
+                      **model)
+  config.strategy.name = "single_device"
+  config.mixed_precision.compute_dtype = "bfloat16"
+  config.attention.update(method="blockwise", block_size=4, implementation=implementation)
+  tokens = np.random.default_rng(0).integers(0, 32, (16, 16)).astype(np.int32)
+  return LanguageModelTrainer(config), {"inputs": tokens, "targets": np.roll(tokens, -1, axis=1)}
+
+
 @pytest.mark.parametrize("family,window", [("transformer", None), ("llama", 8)])
 def test_under_cudnn_an_lm_step_lowers_for_cuda_with_its_mask_window_and_scale(family, window,
                                                                             monkeypatch):
@@ -223,16 +238,7 @@ def test_under_cudnn_an_lm_step_lowers_for_cuda_with_its_mask_window_and_scale(f
   monkeypatch.setattr(fused_attention, "check_compute_capability", lambda capability: True)
   monkeypatch.setattr(fused_attention, "is_cuda_compute_capability_equal", lambda c: False)
   monkeypatch.setattr(attention_lib, "_backend", lambda: "gpu")
-  config = tiny_lm_config("data_parallel", **{"model.family": family, "model.embed_dim": 64,
-                                              "model.head_dim": 8})
-  if family == "llama":
-    config.model.update(num_kv_heads=2, sliding_window=window)
-  config.strategy.name = "single_device"
-  config.mixed_precision.compute_dtype = "bfloat16"
-  config.attention.update(method="blockwise", block_size=4, implementation="cudnn")
-  trainer = LanguageModelTrainer(config)
-  tokens = np.random.default_rng(0).integers(0, 32, (16, 16)).astype(np.int32)
-  batch = {"inputs": tokens, "targets": np.roll(tokens, -1, axis=1)}
+  trainer, batch = _bf16_lm(family, "cudnn", **({"sliding_window": window} if window else {}))
   state = trainer.init_state(batch)
   lowered = trainer.compiled.train(state).trace(state, trainer.strategy.put_batch(batch)).lower(
       lowering_platforms=("cuda",))
@@ -262,18 +268,9 @@ def test_on_a_gpu_every_attention_call_of_an_unpacked_lm_step_can_run_as_cudnn(f
   asked = []
   monkeypatch.setattr(attention_lib, "_fused", lambda block, q, k, v, implementation: (
       asked.append(implementation) or fused(block, q, k, v, None)))
-  tokens = np.random.default_rng(0).integers(0, 32, (16, 16)).astype(np.int32)
-  batch = {"inputs": tokens, "targets": np.roll(tokens, -1, axis=1)}
   losses = {}
   for implementation in ("cudnn", "xla"):
-    config = tiny_lm_config("data_parallel", **{"model.family": family, "model.embed_dim": 64,
-                                                "model.head_dim": 8})
-    if family == "llama":
-      config.model.num_kv_heads = 2
-    config.strategy.name = "single_device"
-    config.mixed_precision.compute_dtype = "bfloat16"
-    config.attention.update(method="blockwise", block_size=4, implementation=implementation)
-    trainer = LanguageModelTrainer(config)
+    trainer, batch = _bf16_lm(family, implementation)
     state = trainer.init_state(batch)
     assert asked == []  # The init traces in float32, by XLA's schedule.
     _, metrics = trainer.compiled.train(state)(state, trainer.strategy.put_batch(batch))

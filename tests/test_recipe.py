@@ -205,13 +205,18 @@ def test_the_whole_recipe_resumes_bit_for_bit(tmp_path):
 # -- Mixed precision ----------------------------------------------------------------------------
 
 
+def _matmuls(trainer, state, batch) -> list[str]:
+  """The lowered train step's convolutions and matmuls (forward and backward)."""
+  lowered = trainer.compiled.train(state).lower(state, trainer.strategy.put_batch(batch))
+  return re.findall(r"stablehlo\.(?:convolution|dot_general).*", lowered.as_text())
+
+
 def test_bfloat16_computes_in_bfloat16_and_trains_like_float32():
   batches = image_batches(6, 16)
   bf16 = CNNTrainer(cnn_config(**{"mixed_precision.compute_dtype": "bfloat16"}))
   state = bf16.init_state(batches[0])
   initial = np.concatenate([x.ravel() for x in leaves(state.params)])
-  lowered = bf16.compiled.train(state).lower(state, bf16.strategy.put_batch(batches[0]))
-  ops = re.findall(r"stablehlo\.(?:convolution|dot_general).*", lowered.as_text())
+  ops = _matmuls(bf16, state, batches[0])
   assert len(ops) >= 6  # Forward and backward convolutions and matmuls.
   assert all("bf16" in op and "xf32>" not in op.split("->")[-1] for op in ops), ops
   result = bf16.fit(batches[:5], num_steps=5, state=state, eval_batches=lambda: batches[5:])
@@ -227,13 +232,6 @@ def test_bfloat16_computes_in_bfloat16_and_trains_like_float32():
   assert result.final_eval["nll"] == pytest.approx(f32.final_eval["nll"], rel=0.02)
 
 
-def _matmuls(trainer, batch) -> list[str]:
-  """The lowered train step's convolutions and matmuls (forward and backward)."""
-  state = trainer.init_state(batch)
-  lowered = trainer.compiled.train(state).lower(state, trainer.strategy.put_batch(batch))
-  return re.findall(r"stablehlo\.(?:convolution|dot_general).*", lowered.as_text())
-
-
 def test_a_users_nnx_decoder_with_default_embeddings_computes_in_bfloat16():
   # Token and position `nnx.Embed`s built without a dtype, as Flax's NNX examples write them:
   # NNX fixes their dtype at float32 when built, which would cast the bf16 tables back.
@@ -241,7 +239,8 @@ def test_a_users_nnx_decoder_with_default_embeddings_computes_in_bfloat16():
   config.batch_size = config.eval_batch_size = 8
   config.mixed_precision.compute_dtype = "bfloat16"
   batch = next(iter(synthetic_token_batches(0, 8, 8, 32)))
-  ops = _matmuls(um.MiniGptTrainer(config), batch)
+  trainer = um.MiniGptTrainer(config)
+  ops = _matmuls(trainer, trainer.init_state(batch), batch)
   assert len(ops) >= 12  # Attention, MLP and head, forward and backward.
   # Every product takes bf16 operands, or multiplies them as bf16 (Flax's attention keeps
   # its softmax in f32 and names the product's precision: `lhs_precision_type = bf16`).
