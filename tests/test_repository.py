@@ -106,6 +106,20 @@ def test_the_readme_is_a_front_door():
   assert len(lines) < 250, f"README.md has {len(lines)} lines"
 
 
+def test_the_readmes_slowest_tests_are_tests_of_the_suite():
+  """Each row of the README's table of the slowest tests names a test function that still
+  exists in its file, slowest cold first: a renamed or removed test fails here."""
+  rows = re.findall(r"^\| `(test_\w+\.py)::(test_\w+)(?:\[[^\]]*\])?`[^|]*\| ([\d.]+) \| "
+                    r"([\d.]+) \|$", (ROOT / "README.md").read_text(), flags=re.M)
+  assert len(rows) >= 5, rows
+  for file, name, _, _ in rows:
+    source = ROOT / "tests" / file
+    assert source.is_file() and re.search(rf"^def {name}\(", source.read_text(), flags=re.M), (
+        f"README.md's slowest tests name {file}::{name}, which is not in the suite")
+  cold = [float(c) for _, _, c, _ in rows]
+  assert cold == sorted(cold, reverse=True), cold
+
+
 def test_the_structure_tables_show_the_source_as_it_is():
   """The README's and the architecture page's "now" column is what `benchmarks/structure.py`
   measures in this tree (the Trainer's size is the figure a new method or flag would move)."""
