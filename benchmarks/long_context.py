@@ -6,8 +6,8 @@ split over a `context` axis of 4 and 8 devices, by all-gather and by ring attent
 For each sequence length: the transformer LM of `configs/lm.py` (2 layers, width 64,
 8 heads of 8, or of `--head-dim`; one sequence per step) on one device (`none`, no
 context axis, plain attention; with `--attention plain,blockwise` also `blockwise`,
-`config.attention.method`; `blockwise:xla`
-or `blockwise:cudnn` also sets `config.attention.implementation`), and under
+`config.attention.method`; `blockwise:xla` or `blockwise:cudnn` also sets
+`config.attention.implementation`), and under
 `configs/lm.py:context` with `context=4` and `context=8` for each method. Printed per
 run: XLA's temporaries per device of the compiled step (`memory_analysis()`: the
 activations kept for the backward pass, the attention scores among them), the bytes
@@ -63,9 +63,7 @@ def main():
 
   print(f"{jax.devices()[0].device_kind} ({jax.devices()[0].platform}), "
         f"{len(jax.devices())} devices; LM 2 layers x 64, 8 heads of {args.head_dim}; "
-        f"{args.compute_dtype}; one "
-        f"sequence per step; "
-        f"{args.rounds} rounds")
+        f"{args.compute_dtype}; one sequence per step; {args.rounds} rounds")
   print(f"{'seq':>6} {'run':<21} {'temp MiB/dev':>13} {'vs none':>8} {'coll MiB/dev':>13} "
         f"{'s/step':>8} {'vs none':>8}")
   for seq in (int(s) for s in args.seqs.split(",")):
