@@ -85,6 +85,10 @@ html_theme = "sphinx_book_theme"
 html_title = "flax-trainer"
 html_theme_options = {
     "show_toc_level": 2,
+    # The sidebar lists every page, and expands only the branch of the page shown: with
+    # all ~110 API pages expanded in every page's sidebar, writing the site took 78 s of
+    # a build without the notebook on a 2-core EPYC, against 51 s collapsed.
+    "collapse_navbar": True,
     "repository_url": "",
     "use_repository_button": False,
 }

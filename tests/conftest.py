@@ -196,7 +196,7 @@ class RealMnistRun:
 
 @pytest.fixture(scope="session")
 def real_mnist_run(doc_runner) -> RealMnistRun:
-  """The README's first command on the real MNIST files, 100 steps, once per session.
+  """The README's first command on the real MNIST files, 50 steps, once per session.
 
   Installing is what CI's own `.ci/run` does; this runs what the command
   then runs: the flagship example with `--config.data.manual_dir` pointing at
@@ -219,8 +219,8 @@ def real_mnist_run(doc_runner) -> RealMnistRun:
     if saved.exists():
       result = subprocess.CompletedProcess(**json.loads(saved.read_text()))
     else:
-      result = doc_runner.run(command, extra=["--config.num_train_steps=100",
-                                                 "--config.log_every_steps=50"])
+      result = doc_runner.run(command, extra=["--config.num_train_steps=50",
+                                                 "--config.log_every_steps=25"])
       saved.write_text(json.dumps({"args": result.args, "returncode": result.returncode,
                                    "stdout": result.stdout, "stderr": result.stderr}))
   return RealMnistRun(command, result, workdir)

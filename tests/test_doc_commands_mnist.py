@@ -1,7 +1,7 @@
 """The documented commands that read MNIST, run as written with few steps.
 
 The README's first command (install, then train the flagship ensemble on the
-real MNIST files) runs once per session with 100 steps (`real_mnist_run`,
+real MNIST files) runs once per session with 50 steps (`real_mnist_run`,
 which `test_real_mnist_ensemble_through_the_entry_point` checks); it prepares MNIST into the data
 directory the later commands read, as it would for a user. TensorBoard serves
 that run's logs.
@@ -26,26 +26,27 @@ def _read_jsonl(path):
 @pytest.mark.parametrize("command", [c for c in docs.runnable() if docs.reads_real_mnist(c)],
                          ids=docs.command_id)
 def test_documented_mnist_command_runs(command, doc_runner, real_mnist_run):
-  if command == real_mnist_run.command:  # The first command: run once, with 100 steps.
+  if command == real_mnist_run.command:  # The first command: run once, with 50 steps.
     docs.check(command, real_mnist_run.result)
   else:
     docs.run_and_check(command, doc_runner)
 
 
 def test_real_mnist_ensemble_through_the_entry_point(real_mnist_run, doc_runner):
-  """The README's first command, 100 steps on the real files (see conftest.real_mnist_run)."""
+  """The README's first command, 50 steps on the real files (see conftest.real_mnist_run)."""
   result, workdir = real_mnist_run.result, real_mnist_run.workdir
   assert result.returncode == 0, result.stderr[-5000:]
   assert "CPU devices: 8" in result.stderr
 
   records = _read_jsonl(workdir / "metrics.jsonl")
   evals = [r for r in records if r["split"] == "eval"]
-  assert [r["step"] for r in evals] == [100]
+  assert [r["step"] for r in evals] == [50]
   final = evals[-1]
   assert ENSEMBLE_KEYS <= set(final)
-  # 0.959 on the Xeon (0.970 at 150 steps, 0.976 at 200); chance is 0.1.
-  assert final["ensemble_accuracy"] >= 0.94, final
-  assert [r["step"] for r in records if r["split"] == "train"] == [50, 100]
+  # 0.917 on the EPYC (0.957 at 100 steps, 0.828 at 30; 0.959 at 100 on the Xeon); chance
+  # is 0.1.
+  assert final["ensemble_accuracy"] >= 0.88, final
+  assert [r["step"] for r in records if r["split"] == "train"] == [25, 50]
   assert all({"loss", "accuracy", "steps_per_sec", "examples_per_sec"} <= set(r)
              for r in records if r["split"] == "train")
   assert "ETA" in result.stderr
