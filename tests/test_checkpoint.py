@@ -14,12 +14,13 @@ import time
 
 import jax
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 from conftest import MLPTrainer, mlp_config, vector_batches
 from jax.sharding import PartitionSpec
 
 from strategies.single_device import SingleDevice
-from trainer.checkpoint import Checkpointer, CheckpointError, RunState, save_run
+from trainer.checkpoint import Checkpointer, CheckpointError, RunState, save_run, store
 from trainer.loop.driver import NonFiniteError
 
 HERE = pathlib.Path(__file__).resolve().parent
@@ -170,6 +171,35 @@ def test_restore_under_another_strategy(tmp_path, source, destination):
   for a, b in zip(jax.tree.leaves(_canonical(reader, continued)),
                   jax.tree.leaves(jax.device_get(reference)), strict=True):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_replicated_arrays_are_written_whole_and_read_back_like_orbaxs_replica_slices(
+    tmp_path, monkeypatch):
+  """On CPU devices an array that several devices hold whole is written once, by its first
+  replica (`trainer/checkpoint/handler.py`), not in orbax's replica-parallel slices (a
+  jitted `slice` program per array and replica); a checkpoint that orbax's default handler
+  wrote in slices reads back the same."""
+  sliced = []
+  slice_in_dim = jax.lax.slice_in_dim
+  monkeypatch.setattr(jax.lax, "slice_in_dim",
+                      lambda x, *a, **k: (sliced.append(x.shape), slice_in_dim(x, *a, **k))[1])
+  batches = vector_batches(2, 16, 8)
+  trainer = _trainer("sharded_data_parallel")  # 2 data x 4 model: every array has replicas.
+  ours = Checkpointer(tmp_path / "ours", every_steps=2)
+  state = trainer.fit(batches, num_steps=2, checkpointer=ours).state
+  ours.close()
+  assert ours.all_steps() == [2] and sliced == []
+  monkeypatch.setattr(store, "state_handler", ocp.StandardCheckpointHandler)
+  sliced_by_orbax = Checkpointer(tmp_path / "orbax", every_steps=2)
+  save_run(sliced_by_orbax, trainer.strategy, RunState(state, 2))
+  sliced_by_orbax.close()
+  assert sliced, "orbax's default handler wrote no replica slices: nothing was compared"
+  want = _canonical(trainer, state)
+  for ckpt in (ours, sliced_by_orbax):
+    restored = trainer.restore_checkpoint(Checkpointer(ckpt.directory), batches[0])
+    for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(_canonical(trainer, restored)),
+                    strict=True):
+      np.testing.assert_array_equal(a, b)
 
 
 def test_ensemble_checkpoint_restores_one_member_and_the_whole_ensemble(tmp_path):

@@ -49,6 +49,7 @@ from trainer.checkpoint.checks import (  # noqa: F401 -- this module's names bef
   check_settings,
   quiet_orbax_info,
 )
+from trainer.checkpoint.handler import state_handler
 from trainer.distributed.agree import any_process
 from trainer.step.quantized_base import packed_for_saving, packed_target, unpacked
 
@@ -138,7 +139,7 @@ class Checkpointer:
       logging.getLogger("absl").addHandler(self._write_failure)
       self._made = ocp.CheckpointManager(
           self.directory, options=self._options,
-          item_handlers={STATE_ITEM: ocp.StandardCheckpointHandler(),
+          item_handlers={STATE_ITEM: state_handler(),
                          LAYOUT_ITEM: ocp.JsonCheckpointHandler()})
     return self._made
 
