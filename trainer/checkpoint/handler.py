@@ -35,7 +35,7 @@ def _array_handler_without_replica_slices() -> ocp.type_handlers.TypeHandler | N
 
 def state_handler() -> ocp.StandardCheckpointHandler:
   """The `state` item's handler: `ocp.StandardCheckpointHandler` (same arguments, same files),
-  whose `jax.Array`s are written without replica slicing when the devices are CPUs."""
+  whose `jax.Array` leaves are written without replica slicing when the devices are CPUs."""
   handler = ocp.StandardCheckpointHandler()
   arrays = _array_handler_without_replica_slices() if jax.default_backend() == "cpu" else None
   if arrays is None or not isinstance(getattr(handler, "_impl", None),
