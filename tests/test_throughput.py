@@ -68,12 +68,14 @@ def test_flops_count_every_model_a_strategy_trains(strategy, models):
 def test_a_scanned_models_flops_grow_with_its_layers():
   """The LM's blocks run in `nn.scan`: each layer counts (XLA's cost analysis counts a
   loop body once)."""
-  def lm_flops(layers):
+  def lm_flops(layers):  # What `fit` reports (FitResult.step_flops), without the step's compile.
     config = tiny_lm_config(**{"strategy.name": "single_device", "model.num_layers": layers})
     trainer = LanguageModelTrainer(config)
-    result = trainer.fit(list(itertools.islice(synthetic_token_batches(0, 16, 16, 32), 1)),
-                         num_steps=1)
-    return result.step_flops.total
+    batch = next(synthetic_token_batches(0, 16, 16, 32))
+    state = trainer.init_state(batch)
+    return throughput.StepFlops(trainer.compiled.train(state),
+                                lambda: (state, trainer.strategy.put_batch(batch)),
+                                num_devices=1).total
 
   one, two, three = (lm_flops(n) for n in (1, 2, 3))
   assert three - two == pytest.approx(two - one, rel=1e-9) and two > one
