@@ -50,9 +50,10 @@ def main():
   parser.add_argument("--block-seconds", type=float, default=1.0)
   args = parser.parse_args()
   contexts = [int(c) for c in args.contexts.split(",") if c]  # "": one device, no context axis.
-  os.environ.setdefault("XLA_FLAGS",
-                        f"--xla_force_host_platform_device_count={max(contexts, default=1)}")
   import jax
+
+  from trainer.distributed.devices import set_num_cpu_devices
+  set_num_cpu_devices(max(contexts, default=1))  # Whatever XLA_FLAGS the shell holds.
   from mnist_setup import compiled_run, rotating_rounds
 
   from configs import lm

@@ -146,3 +146,15 @@ def test_no_library_module_grows_past_500_lines():
            for d in ("trainer", "strategies", "models", "configs")
            for p in (ROOT / d).rglob("*.py")}
   assert len(sizes) > 50 and {p: n for p, n in sizes.items() if n > 500} == {}
+
+
+def test_no_program_sets_its_device_count_through_xla_flags():
+  # `os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=N")` is lost
+  # when a user's shell holds any XLA_FLAGS of its own: the long-context benchmark then ran
+  # on one device and refused its mesh. Programs set the count with
+  # `trainer.distributed.devices.set_num_cpu_devices` (jax's `jax_num_cpu_devices`).
+  programs = [p for d in ("trainer", "strategies", "models", "configs", "examples", "benchmarks")
+              for p in (ROOT / d).rglob("*.py")]
+  assert len(programs) > 80
+  assert [str(p.relative_to(ROOT)) for p in programs
+          if "xla_force_host_platform_device_count" in p.read_text()] == []
