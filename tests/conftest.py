@@ -33,8 +33,8 @@ TEST_XLA_FLAGS = ("--xla_force_host_platform_device_count=8",
 #: this jaxlib starts with them and compiles with them. On x86-64, code for AVX at most (no
 #: FMA, no AVX2, whatever the CPU has): LLVM compiled the transformer LM's four layout tests
 #: in 31.4 s against 41.2 s (`test_moe.py`'s expert layouts 65.1 s against 70.2 s,
-#: `test_steps_per_call.py` 159 s against 165 s), every bitwise check still equal, and the
-#: same tests run the same instructions on an AVX2, AVX-512 or AMX machine. Matrix
+#: `test_steps_per_call.py` 159 s against 165 s), every bitwise check still equal, and
+#: XLA emits the same code for them on an AVX2, AVX-512 or AMX machine. Matrix
 #: products and convolutions run in XLA's precompiled libraries, which pick their own
 #: instructions, so the warm suite runs as fast (`test_moe.py`'s four: 49.4 s against 48.0 s).
 OPTIONAL_XLA_FLAGS = ("--xla_cpu_use_fusion_emitters=false",
