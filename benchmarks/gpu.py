@@ -78,7 +78,9 @@ STAGES = {
     },
     "sweep": {
         "gpu": ["sweep_vs_runs.py", "--members", "8", "--steps", "100", "--batch", "128"],
-        "smoke": ["sweep_vs_runs.py", "--members", "2", "--steps", "2", "--batch", "4"],
+        # The sizes at which the tests run sweep_vs_runs.py's documented command.
+        "smoke": ["sweep_vs_runs.py", "--members", "2", "--steps", "3", "--batch", "16",
+                  "--devices", "2"],
     },
     "moe": {
         "gpu": ["moe.py", "--experts", "8,32", "--seq", "1024", "--batch", "16", "--embed",

@@ -36,9 +36,10 @@ BIN = pathlib.Path(sys.executable).parent
 FEW_STEPS = {
     "examples/my_trainer.py": [],  # 100 steps of a tiny MLP: seconds as written.
     "examples/write_corpus.py": [],  # Writes a corpus of the docs' paragraphs: seconds.
+    # One eval batch of the configs' 500 (padding a short last batch: tests/test_loop.py).
     "examples/mnist_ensemble.py": [
         "--config.num_train_steps=2", "--config.log_every_steps=1",
-        "--config.data.train_split=train[:512]", "--config.data.eval_split=test[:600]"],
+        "--config.data.train_split=train[:512]", "--config.data.eval_split=test[:500]"],
     "examples/transformer_lm.py": [
         "--config.num_train_steps=2", "--config.log_every_steps=1",
         "--config.eval_every_steps=0", "--config.schedule.warmup_steps=0"],
@@ -72,10 +73,13 @@ FEW_STEPS = {
     # (k=1 is every other test's step).
     "benchmarks/steps_per_call.py": ["--ks", "2", "--models", "one", "--steps", "2",
                                      "--repeats", "1", "--batch", "16"],
-    # Halving alone, trials of 2 steps on 512 images (the data the first command prepared).
+    # Halving alone, trials of 2 steps on 512 images (the data the first command prepared),
+    # evaluated on one eval batch.
     "benchmarks/sweep_schedulers.py": ["--runs", "halving", "--selection-repeats", "1",
                                        "--config.num_train_steps=2",
-                                       "--config.data.train_split=train[:512]"],
+                                       "--config.data.train_split=train[:512]",
+                                       "--config.data.eval_split=test[:500]"],
+    # The sizes of benchmarks/gpu.py's smoke sweep stage: the two share their programs.
     "benchmarks/sweep_vs_runs.py": ["--members", "2", "--steps", "3", "--batch", "16",
                                     "--devices", "2"],
     "benchmarks/lm_mfu.py": ["--steps", "1", "--repeats", "1", "--layers", "1", "--batch", "2",
