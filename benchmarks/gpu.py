@@ -78,7 +78,7 @@ STAGES = {
     },
     "sweep": {
         "gpu": ["sweep_vs_runs.py", "--members", "8", "--steps", "100", "--batch", "128"],
-        # The sizes at which the tests run sweep_vs_runs.py's documented command.
+        # tests/doc_commands.py runs sweep_vs_runs.py's documented command at this size too.
         "smoke": ["sweep_vs_runs.py", "--members", "2", "--steps", "3", "--batch", "16",
                   "--devices", "2"],
     },

@@ -13,6 +13,7 @@ documented one. What a command runs is what comes after its install steps
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import os
 import pathlib
@@ -31,6 +32,15 @@ README = ROOT / "README.md"
 PAGES = (README, *sorted((ROOT / "docs").rglob("*.md")))
 MNIST_DIR = ROOT.parent / "shared" / "data" / "mnist"
 BIN = pathlib.Path(sys.executable).parent
+
+
+def _gpu_smoke_args(stage: str) -> list[str]:
+  """The arguments of `benchmarks/gpu.py`'s smoke size of `stage`, less the script name."""
+  spec = importlib.util.spec_from_file_location("gpu_stages", ROOT / "benchmarks" / "gpu.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)  # Imports the standard library only; runs nothing.
+  return list(module.STAGES[stage]["smoke"][1:])
+
 
 #: Flags appended to a script's documented command so that it runs in seconds.
 FEW_STEPS = {
@@ -79,9 +89,8 @@ FEW_STEPS = {
                                        "--config.num_train_steps=2",
                                        "--config.data.train_split=train[:512]",
                                        "--config.data.eval_split=test[:500]"],
-    # The sizes of benchmarks/gpu.py's smoke sweep stage: the two share their programs.
-    "benchmarks/sweep_vs_runs.py": ["--members", "2", "--steps", "3", "--batch", "16",
-                                    "--devices", "2"],
+    # The sizes of benchmarks/gpu.py's smoke sweep stage, read from it: the two share programs.
+    "benchmarks/sweep_vs_runs.py": _gpu_smoke_args("sweep"),
     "benchmarks/lm_mfu.py": ["--steps", "1", "--repeats", "1", "--layers", "1", "--batch", "2",
                              "--matmul", "256"],
     "trainer.plan": [],  # Compiles one step abstractly: seconds as written.
