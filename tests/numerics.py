@@ -49,17 +49,24 @@ FLOOR_ULPS = 8
 
 
 def perturbed(tree, scale: float = CHAOS_SCALE, seed: int = 1234):
-  """`tree` with each floating leaf multiplied by `1 ± scale` (a random sign per element)."""
-  leaves, treedef = jax.tree.flatten(tree)
-  keys = jax.random.split(jax.random.PRNGKey(seed), max(len(leaves), 1))
+  """`tree` with each floating leaf multiplied by `1 ± scale` (a random sign per element),
+  placed as the leaf was.
 
-  def one(x, key):
-    if not jnp.issubdtype(jnp.asarray(x).dtype, jnp.floating):
+  The signs come from NumPy and the product is taken on the host, in the leaf's dtype (the
+  roundings XLA's would make), so no program is compiled for it: drawn by `jax.random` and
+  multiplied on the devices, each leaf shape compiled programs of its own.
+  """
+  rng = np.random.default_rng(seed)
+
+  def one(x):
+    host = np.asarray(x)
+    if not jnp.issubdtype(host.dtype, jnp.floating):  # bfloat16 is one.
       return x
-    signs = jax.random.rademacher(key, np.shape(x), jnp.asarray(x).dtype)
-    return x * (1 + scale * signs)
+    signs = (2 * rng.integers(0, 2, size=host.shape) - 1).astype(host.dtype)
+    out = host * (np.asarray(1, host.dtype) + np.asarray(scale, host.dtype) * signs)
+    return jax.device_put(out, x.sharding) if isinstance(x, jax.Array) else out
 
-  return jax.tree.unflatten(treedef, [one(x, k) for x, k in zip(leaves, keys, strict=True)])
+  return jax.tree.map(one, tree)
 
 
 def chaos_fits(trainer, batches, *, num_steps: int, view=lambda state: state.params,
