@@ -53,7 +53,7 @@ def perturbed(tree, scale: float = CHAOS_SCALE, seed: int = 1234):
   placed as the leaf was.
 
   The signs come from NumPy and the product is taken on the host, in the leaf's dtype (the
-  roundings XLA's would make), so no program is compiled for it: drawn by `jax.random` and
+  roundings XLA would make), so no program is compiled for it: drawn by `jax.random` and
   multiplied on the devices, each leaf shape compiled programs of its own.
   """
   rng = np.random.default_rng(seed)
