@@ -1,5 +1,6 @@
 """Test setup: 8 fake CPU devices (set before jax initialises) and small trainers."""
 
+import collections
 import dataclasses
 import fcntl
 import functools
@@ -239,17 +240,25 @@ def real_mnist_run(doc_runner) -> RealMnistRun:
   return RealMnistRun(command, result, workdir)
 
 
-# -- Order: the longest files first ------------------------------------------------------------
+# -- Order: a file to a worker, most tests first, a few long files before them ----------------
 
-#: Files that take minutes, longest first. Without xdist (`-n 0`) they run first; under
-#: `pytest -n 2 --dist loadfile` xdist 3 hands whole files out by their number of tests
-#: instead, which measured faster here (14:53 against 15:47 from a fresh clone with an
-#: empty compilation cache): it runs the long multi-process files beside short ones rather
-#: than two at once on 2 cores.
-LONGEST_FIRST = ("test_doc_commands_mnist.py", "test_doc_commands.py", "test_docs.py",
-                 "test_multiprocess.py", "test_research_models.py", "test_ensemble.py",
-                 "test_moe.py", "test_study.py", "test_recipe.py", "test_checkpoint.py",
-                 "test_equivalence.py")
+#: Files whose few tests take minutes. `pytest -n 2 --dist loadfile` hands whole files to
+#: the workers in collection order (`pytest_configure`): these first, then the rest by their
+#: number of tests, most first (xdist's own order, which measured faster here than longest
+#: first: 14:53 against 15:47 from a fresh clone with an empty compilation cache, as it runs
+#: the long multi-process files beside short ones rather than two at once on 2 cores). By
+#: count alone the docs build (5 tests, 140 s) came last, and the worker that drew it ran it
+#: alone at the end: one worker ended 83 s after the other in a warm run of df08c47.
+FIRST = ("test_docs.py",)
+#: The file whose test runs the README's first command itself (`real_mnist_run`).
+REAL_MNIST_FILE = "test_doc_commands_mnist.py"
+
+
+def pytest_configure(config):
+  # pytest-xdist (3.6+) reorders files by their number of tests unless told not to: the
+  # order is `pytest_collection_modifyitems`', which counts the same way with FIRST first.
+  if hasattr(config.option, "loadscopereorder"):
+    config.option.loadscopereorder = False
 
 
 # -- Where the suite's time goes: FLAX_TRAINER_TIME_REPORT=<dir> (opt-in) --------------------
@@ -373,12 +382,13 @@ def pytest_sessionfinish(session):
 
 def pytest_collection_modifyitems(config, items):
   del config
+  counts = collections.Counter(item.path.name for item in items)
 
   def rank(item):
     name = item.path.name
     # Within a file, tests that read the real-MNIST run's result go last, so the file's
     # other tests run while the worker that runs it (the first MNIST command's) finishes.
-    waits = name != LONGEST_FIRST[0] and "real_mnist_run" in getattr(item, "fixturenames", ())
-    return (LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST), waits)
+    waits = name != REAL_MNIST_FILE and "real_mnist_run" in getattr(item, "fixturenames", ())
+    return (name not in FIRST, -counts[name], name, waits)
 
   items.sort(key=rank)  # Stable: each file otherwise keeps its own order.
