@@ -69,3 +69,26 @@ def our_outputs(trainer, state, token_ids: np.ndarray):
   return jax.jit(lambda params, model_state: trainer.model_variables.apply(
       params, model_state, ((token_ids,), {}), rngs={"dropout": jax.random.PRNGKey(0)},
       train=False)[0])(canonical.params, canonical.model_state)
+
+
+def finetune_and_export(config, tmp_path, num_steps: int):
+  """`num_steps` steps of `config` on the synthetic token stream, checkpointed at the end in
+  `tmp_path/run`, then exported (`trainer.export`) to `tmp_path/export`. Returns the trainer,
+  the final state, the export's tensor names and its directory."""
+  import json
+  import os
+
+  from trainer.checkpoint import Checkpointer
+  from trainer.export import export_checkpoint
+  from trainer.language_model import LanguageModelTrainer, synthetic_token_batches
+
+  trainer = LanguageModelTrainer(config)
+  workdir, out = str(tmp_path / "run"), str(tmp_path / "export")
+  checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), every_steps=0,
+                              async_save=False)
+  stream = lambda start: synthetic_token_batches(0, 16, LENGTH, VOCAB, start)  # noqa: E731
+  result = trainer.fit(stream, num_steps=num_steps, checkpointer=checkpointer)
+  checkpointer.close()
+  # The config as the CLI reads it back from JSON.
+  written = export_checkpoint(workdir, out, config=json.loads(config.to_json()))
+  return trainer, result.state, written, out

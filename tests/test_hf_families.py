@@ -9,21 +9,27 @@ refused, naming the field.
 """
 
 import json
-import os
 
 import ml_collections
 import numpy as np
 import pytest
-from hf_fixtures import ATOL, LENGTH, VOCAB, lm_batch, our_outputs, run_config, save_random
+from hf_fixtures import (
+  ATOL,
+  LENGTH,
+  VOCAB,
+  finetune_and_export,
+  lm_batch,
+  our_outputs,
+  run_config,
+  save_random,
+)
 from small_configs import tiny_lm_config
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from trainer.checkpoint import Checkpointer  # noqa: E402
-from trainer.export import export_checkpoint  # noqa: E402
 from trainer.interop import families, hf  # noqa: E402
-from trainer.language_model import LanguageModelTrainer, synthetic_token_batches  # noqa: E402
+from trainer.language_model import LanguageModelTrainer  # noqa: E402
 
 TOKENS = np.random.default_rng(0).integers(0, VOCAB, (4, LENGTH)).astype(np.int32)
 WIDTHS = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
@@ -180,17 +186,9 @@ def test_every_field_that_changes_the_computation_is_compared(tmp_path, base, fi
 def test_finetune_then_export_loads_in_transformers(hf_models, kind, layout, tmp_path):
   path, reference = hf_models[kind]
   config = _config(path, layout, learning_rate=1e-2)
-  trainer = LanguageModelTrainer(config)
-  workdir = str(tmp_path / "run")
-  checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), every_steps=0,
-                              async_save=False)
-  stream = lambda start: synthetic_token_batches(0, 16, LENGTH, VOCAB, start)  # noqa: E731
-  result = trainer.fit(stream, num_steps=2, checkpointer=checkpointer)
-  checkpointer.close()
-  ours = _our_logits(trainer, result.state)
+  trainer, state, _, out = finetune_and_export(config, tmp_path, num_steps=2)
+  ours = _our_logits(trainer, state)
   assert np.abs(ours - reference).max() > 1e-3
-  out = str(tmp_path / "export")
-  export_checkpoint(workdir, out, config=json.loads(config.to_json()))
   exported = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
   family = families.get(config.model.family)
   assert type(exported).__name__ == family.architecture

@@ -15,7 +15,16 @@ import os
 import jax
 import numpy as np
 import pytest
-from hf_fixtures import ATOL, LENGTH, VOCAB, lm_batch, our_outputs, run_config, save_random
+from hf_fixtures import (
+  ATOL,
+  LENGTH,
+  VOCAB,
+  finetune_and_export,
+  lm_batch,
+  our_outputs,
+  run_config,
+  save_random,
+)
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -122,19 +131,9 @@ def test_finetune_then_export_loads_in_transformers(hf_models, family, layout, l
     config.lora.update(rank=4, alpha=8.0, targets=finetune_lm.get_config("lora").lora.targets)
   if isinstance(lora, str):
     config.lora.update(base_dtype=lora, block_size=4)
-  trainer = LanguageModelTrainer(config)
-  workdir = str(tmp_path / "run")
-  checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), every_steps=0,
-                              async_save=False)
-  stream = lambda start: synthetic_token_batches(0, 16, LENGTH, VOCAB, start)  # noqa: E731
-  result = trainer.fit(stream, num_steps=3, checkpointer=checkpointer)
-  checkpointer.close()
-  ours = _our_logits(trainer, result.state)
+  trainer, state, written, out = finetune_and_export(config, tmp_path, num_steps=3)
+  ours = _our_logits(trainer, state)
   assert np.abs(ours - reference).max() > 1e-3  # The fine-tune moved the model.
-  with open(os.path.join(workdir, "config.json"), "w") as f:
-    f.write(config.to_json())
-  out = str(tmp_path / "export")
-  written = export_checkpoint(workdir, out, config=json.loads(config.to_json()))
   # The export holds HF's names, as transformers' own save does (a tied head is not saved).
   assert written == [n for n in names if n != "lm_head.weight" or family == "llama"]
   exported = transformers.AutoModelForCausalLM.from_pretrained(out).eval()

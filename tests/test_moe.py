@@ -18,7 +18,16 @@ import jax.numpy as jnp
 import numerics
 import numpy as np
 import pytest
-from hf_fixtures import ATOL, LENGTH, VOCAB, lm_batch, our_outputs, run_config, save_random
+from hf_fixtures import (
+  ATOL,
+  LENGTH,
+  VOCAB,
+  finetune_and_export,
+  lm_batch,
+  our_outputs,
+  run_config,
+  save_random,
+)
 from small_configs import tiny_lm_config
 from user_models import ExpertDecoderTrainer
 
@@ -192,8 +201,6 @@ def test_moe_refusals_name_the_field():
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from trainer.checkpoint import Checkpointer  # noqa: E402
-from trainer.export import export_checkpoint  # noqa: E402
 from trainer.interop import families, hf  # noqa: E402
 
 TOKENS = np.random.default_rng(0).integers(0, VOCAB, (8, LENGTH)).astype(np.int32)
@@ -280,19 +287,9 @@ def test_each_device_reads_only_its_experts(hf_models, monkeypatch):
 def test_finetune_then_export_loads_in_transformers(hf_models, kind, layout, tmp_path):
   path, reference, _ = hf_models[kind]
   config = _hf_config_run(path, layout, learning_rate=1e-2)
-  trainer = LanguageModelTrainer(config)
-  workdir = str(tmp_path / "run")
-  checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), every_steps=0,
-                              async_save=False)
-  stream = lambda start: synthetic_token_batches(0, 16, LENGTH, VOCAB, start)  # noqa: E731
-  result = trainer.fit(stream, num_steps=2, checkpointer=checkpointer)
-  checkpointer.close()
-  ours, _ = _our_outputs(trainer, result.state)
+  trainer, state, written, out = finetune_and_export(config, tmp_path, num_steps=2)
+  ours, _ = _our_outputs(trainer, state)
   assert np.abs(ours - reference).max() > 1e-3  # The fine-tune moved the model.
-  with open(os.path.join(workdir, "config.json"), "w") as f:
-    f.write(config.to_json())
-  out = str(tmp_path / "export")
-  written = export_checkpoint(workdir, out, config=json.loads(config.to_json()))
   assert "model.layers.1.mlp.experts.7.down_proj.weight" in written or (
       "model.layers.1.block_sparse_moe.experts.7.w2.weight" in written)
   exported = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
