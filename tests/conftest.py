@@ -279,14 +279,18 @@ def _count(key: str, value: float = 1.0) -> None:
 
 
 _PROGRAMS: dict = {}  # By program name: [times compiled or read back, their seconds].
+_CURRENT_TEST = ["(collection)"]
+#: By test node id, then program name: [times compiled or read back, their seconds].
+_TEST_PROGRAMS: dict = {}
 
 
 def _compiled(seconds: float, fun_name: str = "?") -> None:
   _count("compile_s", seconds)
   _count("compiled")
-  entry = _PROGRAMS.setdefault(fun_name, [0, 0.0])
-  entry[0] += 1
-  entry[1] += seconds
+  for entry in (_PROGRAMS.setdefault(fun_name, [0, 0.0]),
+                _TEST_PROGRAMS.setdefault(_CURRENT_TEST[0], {}).setdefault(fun_name, [0, 0.0])):
+    entry[0] += 1
+    entry[1] += seconds
 
 
 if _TIME_REPORT:
@@ -326,6 +330,7 @@ def pytest_runtest_protocol(item, nextitem):
     _CURRENT_FILE[0] = item.path.name
     if _TIME_REPORT:
       _count("maps_at_start", _memory_maps())
+  _CURRENT_TEST[0] = item.nodeid
   start = time.perf_counter()
   yield
   if _TIME_REPORT:
@@ -342,15 +347,19 @@ def pytest_sessionfinish(session):
   worker = os.environ.get("PYTEST_XDIST_WORKER")
   if worker:
     (out / f"{worker}.json").write_text(json.dumps({"files": _TIMES, "tests": _TESTS,
-                                                    "programs": _PROGRAMS}))
+                                                    "programs": _PROGRAMS,
+                                                    "test_programs": _TEST_PROGRAMS}))
     return
   merged: dict = {}
   tests: dict = {}
   programs: dict = {}
+  test_programs: dict = {}
   for part in [*out.glob("gw*.json"), *([] if _TIMES.keys() <= {"(collection)"} else [None])]:
-    saved = ({"files": _TIMES, "tests": _TESTS, "programs": _PROGRAMS} if part is None
+    saved = ({"files": _TIMES, "tests": _TESTS, "programs": _PROGRAMS,
+              "test_programs": _TEST_PROGRAMS} if part is None
              else json.loads(part.read_text()))
     tests.update(saved["tests"])
+    test_programs.update(saved.get("test_programs", {}))
     for name, (count, seconds) in saved.get("programs", {}).items():
       entry = programs.setdefault(name, [0, 0.0])
       entry[0] += count
@@ -376,8 +385,17 @@ def pytest_sessionfinish(session):
             "|---|---:|---:|"]
   lines += [f"| {name} | {count} | {seconds:.1f} |"
             for name, (count, seconds) in sorted(programs.items(), key=lambda kv: -kv[1][1])[:30]]
+  compiling = {test: (sum(c for c, _ in by_name.values()), sum(s for _, s in by_name.values()),
+                      by_name.get("jit(<lambda>)", [0, 0.0])[1])
+               for test, by_name in test_programs.items()}
+  lines += ["", "| tests that compiled longest | programs | compile s | of it, jit(<lambda>) "
+            "(a state's init) |", "|---|---:|---:|---:|"]
+  lines += [f"| {test} | {count} | {seconds:.1f} | {init:.1f} |"
+            for test, (count, seconds, init)
+            in sorted(compiling.items(), key=lambda kv: -kv[1][1])[:40]]
   (out / "report.md").write_text("\n".join(lines) + "\n")
   (out / "report.json").write_text(json.dumps(merged, indent=1))
+  (out / "test_programs.json").write_text(json.dumps(test_programs, indent=1))
 
 
 def pytest_collection_modifyitems(config, items):
