@@ -389,7 +389,7 @@ def pytest_sessionfinish(session):
                       by_name.get("jit(<lambda>)", [0, 0.0])[1])
                for test, by_name in test_programs.items()}
   lines += ["", "| tests that compiled longest | programs | compile s | of it, jit(<lambda>) "
-            "(a state's init) |", "|---|---:|---:|---:|"]
+            "(states' inits, the tests' jitted lambdas) |", "|---|---:|---:|---:|"]
   lines += [f"| {test} | {count} | {seconds:.1f} | {init:.1f} |"
             for test, (count, seconds, init)
             in sorted(compiling.items(), key=lambda kv: -kv[1][1])[:40]]
