@@ -15,21 +15,25 @@ import sys
 import tempfile
 import time
 
-#: XLA:CPU options of the tests alone. LLVM's optimisation level 1 for the backend (XLA's
-#: own HLO passes, fusion among them, still run) compiles the tests' programs in about 0.8
-#: of the time (the transformer LM's FSDP step with its first 3 steps: 7.1 s against 8.8 s
-#: here), and their tiny shapes run in milliseconds either way. Level 0 was faster still
-#: (5.3 s) but changed the last bit of one of 256 parameters between a k-steps-a-call
-#: program and the one-step one (tests/test_steps_per_call.py holds them bitwise equal), so
-#: it is not used. XLA's element-wise emitters instead of its newer MLIR fusion emitters
-#: (`OPTIONAL_XLA_FLAGS`) compiled the programs of `test_steps_per_call.py`,
-#: `test_context.py` and `test_equivalence.py` in 209 s against 253 s from an empty cache,
-#: with every bitwise check still equal. Each equivalence compares programs compiled with
-#: the same options and takes its tolerance from the computation (`numerics.py`), so it
-#: still holds; the documented commands run without these options (`doc_commands.Runner`),
-#: as a user runs them.
+#: XLA:CPU options of the tests alone. LLVM's optimisation level 0 for the backend (XLA's
+#: own HLO passes, fusion among them, still run; LLVM selects instructions with FastISel and
+#: allocates registers with its fast allocator). The tests' shapes are tiny, so what level 0
+#: saves in compiling outweighs its slower code: from an empty cache the whole suite took
+#: 2064 worker-seconds against 2381 at level 1 (its programs compiled in 466 s against
+#: 712 s; `test_context.py`'s eight layout checks alone 44 CPU-seconds against 66), every
+#: check still passing. Level 1 had itself compiled in about 0.8 of XLA's default, 3.
+#: (When first tried, before `OPTIONAL_XLA_FLAGS`, level 0 moved the last bit of one
+#: parameter in a bitwise steps-per-call check; with them every bitwise check holds.) A loop
+#: whose body XLA emits itself runs slowest: the 4-members-on-one-device `map` ensemble's
+#: step took 2.8 s against 0.05 s, 11 s in all (`test_ensemble.py`). XLA's element-wise
+#: emitters instead of its newer MLIR fusion emitters (`OPTIONAL_XLA_FLAGS`) compiled the
+#: programs of `test_steps_per_call.py`, `test_context.py` and `test_equivalence.py` in
+#: 209 s against 253 s from an empty cache, with every bitwise check still equal. Each
+#: equivalence compares programs compiled with the same options and takes its tolerance
+#: from the computation (`numerics.py`), so it still holds; the documented commands run
+#: without these options (`doc_commands.Runner`), as a user runs them.
 TEST_XLA_FLAGS = ("--xla_force_host_platform_device_count=8",
-                  "--xla_backend_optimization_level=1")
+                  "--xla_backend_optimization_level=0")
 #: Options a later jaxlib may no longer know (XLA aborts on an unknown flag): used where
 #: this jaxlib starts with them and compiles with them. On x86-64, code for AVX at most (no
 #: FMA, no AVX2, whatever the CPU has): LLVM compiled the transformer LM's four layout tests

@@ -129,7 +129,7 @@ def test_a_state_holds_the_values_of_its_init_compiled_at_xlas_defaults(case):
   assert init_compiler_options(jax.devices()) == CPU_INIT_COMPILER_OPTIONS
   rng = jax.random.PRNGKey(trainer.config.seed)
   got = strategy.to_canonical(trainer.init_state(batch).params)
-  # XLA's default level, named: the tests' own XLA_FLAGS (conftest.py) set level 1 for every
+  # XLA's default level, named: the tests' own XLA_FLAGS (conftest.py) set level 0 for every
   # other program, which would compare the init with a program compiled as it was.
   defaults = jax.jit(trainer.states.steps.init_fn(batch),
                      compiler_options={"xla_backend_optimization_level": XLA_DEFAULT_LEVEL})
