@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import abc
 import functools
+import os
+import re
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -39,7 +41,8 @@ def init_compiler_options(devices: Sequence[jax.Device]) -> dict[str, Any] | Non
   it compiles at LLVM's optimization level 1 (`CPU_INIT_COMPILER_OPTIONS`): the MNIST
   CNN's init took 0.8 s to compile against 2.9 s at the default level, and its values
   are the initializers' own (`tests/test_equivalence.py` holds them equal to the program
-  compiled with XLA's defaults). Elsewhere (GPU, TPU): XLA's defaults (None).
+  compiled with XLA's defaults). Elsewhere (GPU, TPU): XLA's defaults (None). A level the
+  process's `XLA_FLAGS` set is theirs (`cpu_compiler_options`).
   """
   return cpu_compiler_options(devices, CPU_INIT_COMPILER_OPTIONS)
 
@@ -48,10 +51,13 @@ def cpu_compiler_options(devices: Iterable[jax.Device], options: dict[str, Any]
                          ) -> dict[str, Any] | None:
   """A copy of `options` for a program on `devices` if they are all XLA:CPU's, else
   XLA's defaults (None): the options of a program whose compile time on a CPU is most
-  of its cost (a state's init, the dry run's step)."""
-  if all(d.platform == "cpu" for d in devices):
-    return dict(options)
-  return None
+  of its cost (a state's init, the dry run's step). An option the process's `XLA_FLAGS`
+  set (`--name=value`) is left out, so the flag holds for these programs as for every
+  other: a user who asks XLA for an optimization level gets it everywhere."""
+  if not all(d.platform == "cpu" for d in devices):
+    return None
+  named = set(re.findall(r"--(\w+)=", os.environ.get("XLA_FLAGS", "")))
+  return {k: v for k, v in options.items() if k not in named} or None
 
 
 class Strategy(abc.ABC):

@@ -6,6 +6,9 @@ several steps on the same global batches, within the float32 noise of the comput
 (`tests/numerics.py`: the single-device run from a perturbed init is the yardstick).
 """
 
+import os
+import re
+
 import jax
 import numerics
 import numpy as np
@@ -23,8 +26,9 @@ from small_configs import tiny_lm_config
 
 from configs import mlp_sharded
 from strategies import Ensemble
-from strategies.base import CPU_INIT_COMPILER_OPTIONS, init_compiler_options
+from strategies.base import CPU_INIT_COMPILER_OPTIONS, cpu_compiler_options, init_compiler_options
 from trainer import LanguageModelTrainer
+from trainer.plan import CPU_PLAN_COMPILER_OPTIONS
 
 STEPS = 4
 
@@ -114,11 +118,15 @@ XLA_DEFAULT_LEVEL = 3
 
 
 @pytest.mark.parametrize("case", sorted(INITS))
-def test_a_state_holds_the_values_of_its_init_compiled_at_xlas_defaults(case):
+def test_a_state_holds_the_values_of_its_init_compiled_at_xlas_defaults(case, monkeypatch):
   """On XLA:CPU a state's init program compiles at LLVM's optimization level 1
   (`strategies.base.init_compiler_options`: it runs once). Its values are those of the
   same program compiled with XLA's defaults, to the bit: without fast math, what level 3
   adds (vectorizing, unrolling) reorders no floating-point operation."""
+  # As a user's process that names no level: the tests' XLA_FLAGS name one (conftest.py),
+  # which the init program would otherwise take (`test_a_level_the_xla_flags_set_...`).
+  monkeypatch.setenv("XLA_FLAGS", re.sub(r"--xla_backend_optimization_level=\S+", "",
+                                         os.environ["XLA_FLAGS"]))
   trainer_cls, make_config, overrides = INITS[case]
   trainer = trainer_cls(make_config(**overrides))
   strategy = trainer.strategy
@@ -142,3 +150,22 @@ def test_a_state_holds_the_values_of_its_init_compiled_at_xlas_defaults(case):
                           strict=True):
     np.testing.assert_array_equal(np.asarray(b), np.asarray(a), err_msg=jax.tree_util.keystr(path))
   assert any(np.asarray(a).std() > 0 for a in leaves(got))  # Random, not all zeros.
+
+
+def test_a_level_the_xla_flags_set_holds_for_the_init_and_dry_run_programs(monkeypatch):
+  """`cpu_compiler_options` leaves out an option the process's XLA_FLAGS set: a user who
+  names an optimization level gets it for a state's init and the dry run's step too."""
+  cpu = jax.devices()[:1]
+  monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+  assert init_compiler_options(cpu) == CPU_INIT_COMPILER_OPTIONS
+  assert cpu_compiler_options(cpu, CPU_PLAN_COMPILER_OPTIONS) == CPU_PLAN_COMPILER_OPTIONS
+  monkeypatch.setenv("XLA_FLAGS", "--xla_backend_optimization_level=3 --xla_cpu_max_isa=AVX")
+  assert init_compiler_options(cpu) is None
+  both = {"xla_backend_optimization_level": 1, "xla_cpu_enable_fast_math": False}
+  assert cpu_compiler_options(cpu, both) == {"xla_cpu_enable_fast_math": False}
+
+  class Gpu:
+    platform = "gpu"
+
+  monkeypatch.delenv("XLA_FLAGS")
+  assert cpu_compiler_options([Gpu()], CPU_INIT_COMPILER_OPTIONS) is None
