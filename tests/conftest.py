@@ -125,6 +125,13 @@ class MLPTrainer(Trainer):
     return jnp.mean((outputs - batch["targets"]) ** 2, axis=-1)
 
 
+def xla_flags_naming_no_level() -> str:
+  """The tests' XLA_FLAGS less the optimisation level: a user's process that names none,
+  whose init and dry-run programs take the product's own level
+  (`strategies.base.cpu_compiler_options`)."""
+  return re.sub(r"--xla_backend_optimization_level=\S+", "", os.environ["XLA_FLAGS"])
+
+
 def cnn_config(**overrides) -> ml_collections.ConfigDict:
   config = mnist_ensemble.get_config()
   config.strategy.name = "single_device"

@@ -6,9 +6,6 @@ several steps on the same global batches, within the float32 noise of the comput
 (`tests/numerics.py`: the single-device run from a perturbed init is the yardstick).
 """
 
-import os
-import re
-
 import jax
 import numerics
 import numpy as np
@@ -21,6 +18,7 @@ from conftest import (
   leaves,
   mlp_config,
   vector_batches,
+  xla_flags_naming_no_level,
 )
 from small_configs import tiny_lm_config
 
@@ -125,8 +123,7 @@ def test_a_state_holds_the_values_of_its_init_compiled_at_xlas_defaults(case, mo
   adds (vectorizing, unrolling) reorders no floating-point operation."""
   # As a user's process that names no level: the tests' XLA_FLAGS name one (conftest.py),
   # which the init program would otherwise take (`test_a_level_the_xla_flags_set_...`).
-  monkeypatch.setenv("XLA_FLAGS", re.sub(r"--xla_backend_optimization_level=\S+", "",
-                                         os.environ["XLA_FLAGS"]))
+  monkeypatch.setenv("XLA_FLAGS", xla_flags_naming_no_level())
   trainer_cls, make_config, overrides = INITS[case]
   trainer = trainer_cls(make_config(**overrides))
   strategy = trainer.strategy

@@ -3,6 +3,7 @@ placed state, and a verdict on whether a layout fits a stated memory."""
 
 import jax
 import pytest
+from conftest import xla_flags_naming_no_level
 from small_configs import tiny_lm_config
 
 from strategies import base
@@ -43,6 +44,7 @@ def plans():
 
     with pytest.MonkeyPatch.context() as patch:
       patch.setattr(base, "cpu_compiler_options", spy)
+      patch.setenv("XLA_FLAGS", xla_flags_naming_no_level())  # The product's level, 0.
       out[layout] = _plan(layout)
   return out
 
@@ -66,9 +68,8 @@ def test_the_plan_compiled_at_llvm_level_0_reads_as_the_program_at_xlas_defaults
   figures are XLA's HLO passes' and buffer assignment's, the same as at XLA's level 3."""
   trainer, batch, plan = plans["fsdp"]
   # The options make_plan compiled with, for the devices its placed batch is on.
-  # The tests' XLA_FLAGS name a level (conftest.py), which the dry run's step then keeps.
-  assert COMPILER_OPTIONS_ASKED["fsdp"][-1] == (set(jax.devices()), CPU_PLAN_COMPILER_OPTIONS,
-                                                None)
+  assert COMPILER_OPTIONS_ASKED["fsdp"][-1] == (
+      set(jax.devices()), CPU_PLAN_COMPILER_OPTIONS, {"xla_backend_optimization_level": 0})
   abstract = trainer.strategy.checkpoint_target(trainer.states.abstract(batch))
   placed = trainer.strategy.put_batch(batch)
   default = trainer.compiled.train(abstract).lower(abstract, placed).compile(
