@@ -17,7 +17,6 @@ import numpy as np
 import optax
 import pytest
 import user_models as um
-from clu import metric_writers
 from conftest import (
   SHARDED_8,
   CNNTrainer,
@@ -39,15 +38,21 @@ from trainer.step.precision import embeddings_follow_their_tables
 from trainer.step.recipe import MixedPrecision
 
 
-class Recorder(metric_writers.LoggingWriter):
-  """Keeps every scalar written, by step."""
+def recorder():
+  """A clu writer (any clu `MetricWriter` is a run's writer) that keeps every scalar
+  written, by step in `rows`. clu's writers import TensorFlow, so only the test that uses
+  one pays for it, not every worker's collection."""
+  from clu import metric_writers
 
-  def __init__(self):
-    super().__init__()
-    self.rows: dict[int, dict[str, float]] = {}
+  class Recorder(metric_writers.LoggingWriter):
+    def __init__(self):
+      super().__init__()
+      self.rows: dict[int, dict[str, float]] = {}
 
-  def write_scalars(self, step, scalars):
-    self.rows.setdefault(step, {}).update({k: float(v) for k, v in scalars.items()})
+    def write_scalars(self, step, scalars):
+      self.rows.setdefault(step, {}).update({k: float(v) for k, v in scalars.items()})
+
+  return Recorder()
 
 
 def _assert_trees_close(a, b, rtol=1e-5, atol=1e-6):
@@ -63,7 +68,7 @@ def test_warmup_cosine_schedule_is_logged_and_drives_the_updates():
                       log_every_steps=1, **{"schedule.name": "cosine",
                                             "schedule.warmup_steps": 2,
                                             "schedule.end_factor": 0.1})
-  trainer, writer = MLPTrainer(config), Recorder()
+  trainer, writer = MLPTrainer(config), recorder()
   batches = vector_batches(6, 16, 8)
   init = trainer.init_state(batches[0])
   initial = leaves(init.params)  # Host copies: fit donates the state it is given.

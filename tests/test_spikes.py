@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from conftest import ALL_STRATEGIES, MLPTrainer, leaves, mlp_config, vector_batches
 from flax import struct
-from test_recipe import Recorder
+from test_recipe import recorder
 
 from strategies import member_rng
 from trainer.checkpoint import Checkpointer
@@ -38,7 +38,7 @@ def test_a_spike_is_left_out_and_counted_and_the_run_goes_on():
   trainer = MLPTrainer(mlp_config(**GUARD))
   before = trainer.fit(lambda s: batches[s:], num_steps=SPIKE).state
   params_before = leaves(before.params)
-  writer = Recorder()
+  writer = recorder()
   after = trainer.fit(lambda s: batches[s:], num_steps=STEPS, state=before, writer=writer).state
   assert int(after.step) == STEPS and int(after.spikes.skips) == 1
   assert int(after.spikes.count) == STEPS - 1  # Every accepted loss recorded, not the spike.
