@@ -97,7 +97,12 @@ class Evaluator:
 
     The example is the first eval batch if there are eval batches, else the
     first train batch (this process's rows, repeated to the global shape); it
-    is read only while the steps are still untraced.
+    is read only while the steps are still untraced. A jitted step is traced only
+    (`.trace`: jit keeps the trace for its first call); lowering it to XLA's input waits
+    for that call, so a run that never evaluates or predicts never lowers them (in
+    `tests/test_steps_per_call.py` and `tests/test_pipeline_parallel.py` the two
+    lowerings were 8% of the time with a warm compilation cache). A step with no
+    `.trace` (`jax.pmap`'s) is lowered, which traces it.
     """
     if self._traced:
       return
@@ -107,7 +112,7 @@ class Evaluator:
       example = jax.tree.map(lambda x: np.concatenate([np.asarray(x)] * count), train_batch)
     chunk = self._put(next(self.chunks(example))[0])
     for compiled in (self.compiled.eval(state), self.compiled.predict(state)):
-      compiled.lower(state, chunk)  # jit keeps the trace.
+      getattr(compiled, "trace", compiled.lower)(state, chunk)
     self._traced = True
 
   def evaluate(self, state, batches: Iterable[Batch]) -> dict[str, float]:
