@@ -50,3 +50,27 @@ def test_sharded_mlp_step_traces_once():
   batches = vector_batches(STEPS, 16, 8)
   trainer.fit(batches, num_steps=STEPS, eval_batches=lambda: batches[:3])
   assert trainer.traces == {"train": 1, "eval": 1, "predict": 1}
+
+
+def test_a_run_that_never_evaluates_traces_its_eval_and_predict_steps_but_lowers_neither():
+  """fit traces the eval and predict steps before training, so their errors show first, but
+  lowers (jaxpr to MLIR) only what runs: jit keeps the trace, and lowers at a first call."""
+  import jax
+
+  lowered = []
+
+  def listener(event, seconds, **kwargs):
+    del seconds
+    if event == "/jax/core/compile/jaxpr_to_mlir_module_duration":
+      lowered.append(kwargs.get("fun_name", ""))
+
+  trainer = _counting(MLPTrainer)(mlp_config(eval_every_steps=0))
+  trainer.traces = {"train": 0, "eval": 0, "predict": 0}
+  jax.monitoring.register_event_duration_secs_listener(listener)
+  try:
+    trainer.fit(vector_batches(2, 16, 8), num_steps=2)
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listener)
+  assert trainer.traces == {"train": 1, "eval": 1, "predict": 1}
+  assert any("train_step" in name for name in lowered), lowered
+  assert not [name for name in lowered if "eval_step" in name or "predict_step" in name], lowered

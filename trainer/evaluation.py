@@ -99,9 +99,9 @@ class Evaluator:
     first train batch (this process's rows, repeated to the global shape); it
     is read only while the steps are still untraced. A jitted step is traced only
     (`.trace`: jit keeps the trace for its first call); lowering it to XLA's input waits
-    for that call, so a run that never evaluates or predicts never lowers them (in
-    `tests/test_steps_per_call.py` and `tests/test_pipeline_parallel.py` the two
-    lowerings were 8% of the time with a warm compilation cache). A step with no
+    for that call, so a run that never evaluates or predicts never lowers them (profiled
+    with a warm compilation cache, the two lowerings were 8% of the samples of
+    `tests/test_steps_per_call.py` and `tests/test_pipeline_parallel.py`). A step with no
     `.trace` (`jax.pmap`'s) is lowered, which traces it.
     """
     if self._traced:
