@@ -12,8 +12,9 @@ field that holds each record's text:
 
 Files are read as a stream (one line or one row group in memory at a time), never
 whole. Each record's text is tokenized, bracketed by the tokenizer's BOS/EOS where
-`Tokenizer` says so, and cut into next-token examples of at most `length + 1` tokens
-(`pieces`), so every token but a document's first is a target exactly once per pass.
+`Tokenizer` says so, and cut into next-token examples of at most `length` (input,
+target) pairs (`pieces`), so every token but a document's first is a target exactly
+once per pass, always of the token before it in the same document.
 
 A source is read in `lanes` disjoint shards (record `k` of a file, counted over the
 whole file, belongs to shard `k % lanes`), each an independent Grain iterator
@@ -209,13 +210,15 @@ WEIGHTS = "loss_weights"
 def pieces(ids: np.ndarray, length: int, weights: np.ndarray | None = None
            ) -> list[dict[str, np.ndarray]]:
   """A document's next-token examples: `(inputs, targets)` of at most `length` tokens each,
-  consecutive pieces sharing one token, so each of `ids[1:]` is a target once. With
-  `weights` (one per token), each target's weight too (`WEIGHTS`)."""
+  `targets[j]` the token after `inputs[j]` (so both have the same length), consecutive
+  pieces sharing one token, so each of `ids[1:]` is a target once. With `weights` (one per
+  token), each target's weight too (`WEIGHTS`)."""
   out = []
   for s in range(0, len(ids) - 1, length):
-    piece = {"inputs": ids[s:s + length], "targets": ids[s + 1:s + length + 1]}
+    stop = min(s + length, len(ids) - 1)  # The last input is the one before the last token.
+    piece = {"inputs": ids[s:stop], "targets": ids[s + 1:stop + 1]}
     if weights is not None:
-      piece[WEIGHTS] = weights[s + 1:s + length + 1]
+      piece[WEIGHTS] = weights[s + 1:stop + 1]
     out.append(piece)
   return out
 

@@ -140,9 +140,9 @@ class Corpus:
     lengths = {"inputs": self.length, "targets": self.length}
     if self.chat is not None:
       lengths[corpus_lib.WEIGHTS] = self.length
-    if self.layout == "chunked":
+    if self.layout == "chunked":  # Full rows only: a finite pass's padded remainder is cut.
       return grain.experimental.ConcatThenSplitIterDataset(
-          examples, length_struct=lengths).map(_chunked_row)
+          examples, length_struct=lengths).filter(_is_full).map(_chunked_row)
     packed = grain.experimental.FirstFitPackIterDataset(
         examples, length_struct=lengths, num_packing_bins=self.rows_per_lane,
         shuffle_bins=False)
@@ -158,6 +158,10 @@ def _weights(row: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
   if corpus_lib.WEIGHTS not in row:
     return {}
   return {packing.LOSS_WEIGHTS: np.asarray(row[corpus_lib.WEIGHTS], np.float32)}
+
+
+def _is_full(row: Mapping[str, np.ndarray]) -> bool:
+  return bool(np.all(row["inputs_segment_ids"] > 0))
 
 
 def _chunked_row(row: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
