@@ -62,11 +62,22 @@ def rules(batch="data", **mapped: str) -> tuple:
   return (("batch", batch),) + tuple((name, mapped.get(name)) for name in NAMES)
 
 
-#: The fields only some families have, None (the family's default) unless set by flag:
-#: llama's key/value heads, RMSNorm epsilon, rope base and tied head; gpt2's LayerNorm
-#: epsilon and dropout. A family refuses a field it does not have that is set.
-FAMILY_FIELDS = dict(num_kv_heads=None, rms_norm_eps=None, rope_theta=None,
-                     tie_word_embeddings=None, layer_norm_epsilon=None, dropout_rate=None)
+def family_fields() -> dict:
+  """The fields only some families have, None (the family's module default) unless set, and
+  typed, so that a flag sets them (`--config.model.num_kv_heads=2`): llama's key/value
+  heads, RMSNorm epsilon, rope base and tied head; gpt2's LayerNorm epsilon and dropout. A
+  family refuses a field it does not have that is set; an export writes the value each
+  computed with."""
+  placeholder = ml_collections.config_dict.placeholder
+  return dict(num_kv_heads=placeholder(int), rms_norm_eps=placeholder(float),
+              rope_theta=placeholder(float), tie_word_embeddings=placeholder(bool),
+              layer_norm_epsilon=placeholder(float), dropout_rate=placeholder(float))
+
+
+def __getattr__(name: str):
+  if name == "FAMILY_FIELDS":  # A function now: each config gets its own typed references.
+    return family_fields()
+  raise AttributeError(f"module 'configs.lm' has no attribute {name!r}")
 
 
 def moe_fields() -> dict:
@@ -160,7 +171,7 @@ def get_config(layout: str = "data_parallel") -> ml_collections.ConfigDict:
   # layout runs every family by flag: --config.model.family=gpt2.
   config.model = ml_collections.ConfigDict(dict(
       family="transformer", vocab_size=64, num_layers=2, embed_dim=64, num_heads=8,
-      head_dim=8, mlp_dim=256, max_len=64, **FAMILY_FIELDS, **moe_fields()))
+      head_dim=8, mlp_dim=256, max_len=64, **family_fields(), **moe_fields()))
   config.seq_len = 32
   config.batch_size = 32
   config.eval_batch_size = 32

@@ -397,6 +397,11 @@ def _moe_rules(f: Mapping[str, Any]) -> list[Rule]:
 
 
 def _moe_build(f: Mapping[str, Any]) -> Any:
+  if not f.get("num_experts"):  # A dense model would train, and no export could write it.
+    raise ValueError(f"config.model.family={f['family']!r} is a mixture of experts, but "
+                     f"config.model.num_experts={f.get('num_experts')!r}; set it (e.g. "
+                     f"--config.model.num_experts=8), or pick a dense family "
+                     f"('llama', 'mistral', 'qwen2', 'qwen3').")
   fields = {k: v for k, v in f.items() if k != "family"}
   variant = _VARIANTS["qwen3" if f["family"] == "qwen3_moe" else "mistral"]
   return functools.partial(_llama_module(), **{**fields, **variant})

@@ -384,6 +384,9 @@ def export(values: Mapping[str, np.ndarray], fields: Mapping[str, Any], out_dir:
   """Writes `config.json` and `model.safetensors` of our parameters `values` (`{path:
   array}`, one model) in HF's names and layouts; returns the tensor names written.
 
+  A field of `fields` left None (`configs/lm.py`: the family's default) is written as the
+  value the module computed with (`families.module_fields`), never as JSON null.
+
   Raises:
     ValueError: `fields` name no family with a mapping, a parameter is missing, or a
       parameter is left over (one the family's mapping has no HF tensor for).
@@ -391,6 +394,7 @@ def export(values: Mapping[str, np.ndarray], fields: Mapping[str, Any], out_dir:
   from safetensors.numpy import save_file
 
   family = families.get(fields["family"], field="config.model.family")
+  fields = families.module_fields(**fields)
   mapping = ResolvedRules(family, fields)
   hf_config = family.hf_config(fields)
   tensors, used = {}, set()
