@@ -208,8 +208,6 @@ def finetune(config, workdir: str) -> None:
       train_file, held_file = write_data(text, os.path.join(workdir, "data"),
                                          config.data.chat)
       config.data.sources, config.data.eval_sources = (train_file,), (held_file,)
-  with open(os.path.join(workdir, "config.json"), "w") as f:  # What trainer.export reads.
-    f.write(config.to_json())
 
   trainer = LanguageModelTrainer(config)
   rows = trainer.strategy.process_slice(config.batch_size)

@@ -129,7 +129,6 @@ def train_and_evaluate(config, workdir: str) -> dict[str, float] | None:
                trainer.strategy.describe())
 
   writer = writers.create_writer(workdir, config.writers, config)
-  writer.write_hparams(config.to_dict())
   try:
     result = trainer.fit(train_batches, num_steps=num_steps, checkpointer=checkpointer,
                          writer=writer, workdir=workdir, eval_batches=eval_batches)

@@ -83,6 +83,7 @@ def test_a_scanned_models_flops_grow_with_its_layers():
 
 def test_mfu_is_the_achieved_flops_over_the_devices_peak(tmp_path, monkeypatch):
   monkeypatch.setattr(throughput, "peak_tflops", lambda device, dtype: 0.5)
+  monkeypatch.setattr(throughput, "reports_flops", lambda device: True)  # As on a GPU.
   trainer = CNNTrainer(cnn_config(log_every_steps=2))
   writer = writers.create_writer(str(tmp_path))
   result = trainer.fit(image_batches(4, 16), num_steps=4, writer=writer)

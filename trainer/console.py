@@ -14,7 +14,9 @@ The JAX stack announces things a user cannot act on, on every start:
   that is initialised, past the variable, so the first import of `tensorflow`
   runs with its standard error captured and written back without them;
 - tfds warns that OpenCV is not installed when it decodes an image with PIL,
-  which is the decoder this project installs.
+  which is the decoder this project installs;
+- orbax logs dozens of INFO lines for each checkpoint it saves or reads (its
+  handlers, throughput, the files); its warnings and errors stay.
 
 These are kept off the console at the default verbosity and shown with
 `--verbosity=1` (absl's debug level), as is the full text of an event the run
@@ -60,14 +62,39 @@ class _NotFailures(logging.Filter):
                    for name, start in NOT_FAILURES)
 
 
+class _DropOrbaxInfo(logging.Filter):
+  """Drops INFO records logged from orbax's own files unless `verbose()`."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    return (record.levelno > logging.INFO or f"{os.sep}orbax{os.sep}" not in record.pathname
+            or verbose())
+
+
+def quiet_orbax_info() -> None:
+  """Keeps orbax's INFO lines off the console (orbax logs through absl, as the project does,
+  so the filter tells them apart by the file a record comes from); its warnings and errors
+  stay. On the loggers and on the handlers already installed."""
+  for name in ("absl", ""):
+    logger = logging.getLogger(name)
+    for target in (logger, *logger.handlers):
+      if not any(isinstance(f, _DropOrbaxInfo) for f in target.filters):
+        target.addFilter(_DropOrbaxInfo())
+
+
 def quiet() -> None:
-  """Keeps the stack's start-up notices (`NOT_FAILURES`, TensorFlow's C++ notices) off the
-  console at the default verbosity."""
+  """Keeps the stack's start-up notices (`NOT_FAILURES`, TensorFlow's C++ notices) and
+  orbax's INFO lines off the console at the default verbosity."""
   os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")  # Before TensorFlow loads.
+  # absl's logger must be absl's own class before anything asks for the logger by name: a
+  # plain `logging.Logger` named "absl" (what `getLogger` makes first) gives every record
+  # the file and line of absl's `log` function, and a `-m trainer.<command>` imports this
+  # package before the command's own `from absl import ...`.
+  import absl.logging  # noqa: F401
   for name in {name for name, _ in NOT_FAILURES}:
     logger = logging.getLogger(name)
     if not any(isinstance(f, _NotFailures) for f in logger.filters):
       logger.addFilter(_NotFailures())
+  quiet_orbax_info()
   if "tensorflow" not in sys.modules and not any(
       isinstance(f, _QuietTensorFlowImport) for f in sys.meta_path):
     sys.meta_path.insert(0, _QuietTensorFlowImport())

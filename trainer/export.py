@@ -7,7 +7,7 @@ The checkpoint may come from any strategy (an ensemble's or a sweep's: pick the
 member with `--member`); the model must be of a family with a mapping
 (`config.model.family`: one of `trainer.interop.families.FAMILIES`, `gpt2`, `llama`,
 `mistral`, `qwen2`, `qwen3`, `mixtral`, `qwen3_moe`). The model's fields come from the run's
-config: `--config` (a JSON config, as `examples/finetune_lm.py` writes to
+config: `--config` (a JSON config, as every run with a workdir writes to
 `<workdir>/config.json`, or a sweep's `sweep_best_config.json`), by default
 `<workdir>/config.json`. LoRA adapters (`config.lora`) are merged into their
 weights first. `transformers`' `AutoModelForCausalLM.from_pretrained(out)`
@@ -44,8 +44,8 @@ def run_config(workdir: str, config_path: str | None) -> dict[str, Any]:
   path = config_path or os.path.join(workdir, "config.json")
   if not os.path.isfile(path):
     raise ValueError(f"--config={path!r} does not exist: the export needs the run's "
-                     f"config.model (examples/finetune_lm.py writes <workdir>/config.json; "
-                     f"write `config.to_json()` there, or pass --config).")
+                     f"config.model (a run with a workdir writes <workdir>/config.json; one that "
+                     f"ran without, or whose file is gone: pass --config=its config as JSON).")
   with open(path) as f:
     return json.load(f)
 

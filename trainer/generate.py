@@ -7,7 +7,7 @@ r"""Prints continuations of prompts from a trained run or a Hugging Face model d
     python -m trainer.generate --init_from=/path/to/hf_model --prompt="..."
 
 The model, its layout and its tokenizer come from the run's config (`--config`, by
-default `<workdir>/config.json`, as `examples/finetune_lm.py` writes it): the
+default `<workdir>/config.json`, which every run with a workdir writes): the
 checkpoint's parameters are restored under the run's strategy (`--strategy` picks
 another, e.g. `single_device` for a run trained as an ensemble, whose member
 `--member` names), and the prompts tokenized with `config.data.tokenizer` (or

@@ -13,8 +13,10 @@ MFU is the achieved FLOP/s per device over the device's peak for the
 compute dtype (`PEAK_TFLOPS`: dense peaks from the vendors' data sheets; on
 NVIDIA float32 matmuls run as TF32 by default, so float32 takes the TF32
 peak; TPUs multiply float32 in bfloat16 passes by default). On CPU the peak is
-measured once with a float32 matmul (`measured_peak`); an unknown device has
-none, and no MFU is reported.
+measured once with a float32 matmul (`measured_peak`, what `benchmarks/lm_mfu.py`
+quotes); an unknown device has none, and no MFU is reported. A run's log reports
+TFLOP/s and MFU on an accelerator only (`reports_flops`): a CPU's measured peak is no
+data-sheet figure, and the run would pay for measuring it.
 """
 
 from __future__ import annotations
@@ -89,6 +91,12 @@ def peak_tflops(device: Any, compute_dtype: str) -> float | None:
     return None
   bf16, fp32 = row
   return fp32 if compute_dtype == "float32" else bf16
+
+
+def reports_flops(device: Any) -> bool:
+  """Whether a run's log reports `train/tflops_per_device` and `train/mfu` on `device`: on an
+  accelerator, not on CPU."""
+  return device.platform != "cpu"
 
 
 def table_row(table: dict[str, Any], device_kind: str) -> Any:

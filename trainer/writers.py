@@ -71,7 +71,9 @@ class LoggingWriter(ScalarWriter):
     logging.info("[%d] %s", step, ", ".join(values))
 
   def write_hparams(self, hparams: Mapping[str, Any]):
-    logging.info("[Hyperparameters] %s", hparams)
+    # Thousands of characters: a run's config goes to its files (config.json, TensorBoard's
+    # hparams), and to the console only with --verbosity=1.
+    logging.debug("[Hyperparameters] %s", hparams)
 
 
 class TensorBoardWriter(ScalarWriter):

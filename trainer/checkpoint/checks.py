@@ -6,7 +6,6 @@ it restores into. `trainer.checkpoint.store` re-exports these names.
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -14,6 +13,7 @@ import jax
 import ml_collections
 
 from strategies.tree import keypath_str
+from trainer.console import quiet_orbax_info  # noqa: F401  (its home before the console)
 
 PyTree = Any
 
@@ -23,28 +23,6 @@ STATE_ITEM = "state"
 LAYOUT_ITEM = "layout"
 #: What orbax puts in the name of a step directory it is still writing.
 TMP_MARK = ".orbax-checkpoint-tmp"
-
-
-class _DropInfo(logging.Filter):
-  """Drops INFO records logged from orbax's own files (about 45 lines per save)."""
-
-  def filter(self, record: logging.LogRecord) -> bool:
-    return record.levelno > logging.INFO or f"{os.sep}orbax{os.sep}" not in record.pathname
-
-
-def quiet_orbax_info() -> None:
-  """Keeps orbax's per-save INFO lines off the console; its warnings and errors stay.
-
-  Orbax logs through absl, as the project does, so the filter tells them apart by
-  the file a record comes from.
-  """
-  for name in ("absl", ""):
-    logger = logging.getLogger(name)
-    if not any(isinstance(f, _DropInfo) for f in logger.filters):
-      logger.addFilter(_DropInfo())
-    for handler in logger.handlers:
-      if not any(isinstance(f, _DropInfo) for f in handler.filters):
-        handler.addFilter(_DropInfo())
 
 
 class CheckpointError(RuntimeError):

@@ -374,13 +374,15 @@ def skipped_records(state: Any) -> dict[str, int]:
 
 class CorpusMetrics(Action):
   """Writes the bad records skipped so far, by kind, summed over every process's lanes
-  (`data/skipped_<kind>`), every `every_steps` and at the end, so that none is dropped
-  silently. It gathers the processes' counts: every process runs it at the same steps
-  (the loop's schedule)."""
+  (`data/skipped_<kind>`), so that none is dropped silently: every kind at the first
+  write, then a kind when its count has changed (checked every `every_steps` and at the
+  end), so a clean corpus logs its zeros once. It gathers the processes' counts: every
+  process runs it at the same steps (the loop's schedule)."""
 
   def __init__(self, writer, *, every_steps: int):
     super().__init__(every_steps=every_steps)
     self.writer = writer
+    self._written: dict[str, int] | None = None  # What this run wrote last, by kind.
 
   def triggers(self, view) -> bool:
     return bool(view.crossed(self.every_steps)) or view.is_last
@@ -390,7 +392,11 @@ class CorpusMetrics(Action):
 
   def run(self, view) -> None:
     counts = skipped_records(gather_state(view.data_state))
-    self.writer.write_scalars(view.step, {f"data/skipped_{k}": v for k, v in counts.items()})
+    changed = {k: v for k, v in counts.items()
+               if self._written is None or self._written.get(k) != v}
+    if changed:
+      self.writer.write_scalars(view.step, {f"data/skipped_{k}": v for k, v in changed.items()})
+    self._written = dict(counts)
 
 
 # -- From the config -------------------------------------------------------------------------

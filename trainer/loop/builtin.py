@@ -1,15 +1,18 @@
 """The built-in actions, in the order `from_config` (and so `Trainer.default_actions`)
 gives them:
 
-1. `StopOnSignal` turns SIGTERM into a stop request at a step boundary.
-2. `ReportMetrics` writes train scalars every `log_every_steps` (and `ReportSpikes`
+1. `RecordConfig` writes the config the run ran with to `<workdir>/config.json` and
+   the writer's hyperparameters (TensorBoard's hparams), before the first call.
+2. `StopOnSignal` turns SIGTERM and the first Ctrl-C into a stop request at a step
+   boundary.
+3. `ReportMetrics` writes train scalars every `log_every_steps` (and `ReportSpikes`
    the updates left out as loss spikes, with `config.spikes.skip`).
-3. `Evaluate` evaluates (each `Recipe.eval_variants`: the EMA parameters as `ema_*`);
+4. `Evaluate` evaluates (each `Recipe.eval_variants`: the EMA parameters as `ema_*`);
    a sweep's report (`trainer.sweep.SweepReport`) comes right after it.
-4. `EarlyStopping` reads that evaluation and may request a stop.
-5. `Checkpoint` saves the run periodically, at each evaluation when it keeps
+5. `EarlyStopping` reads that evaluation and may request a stop.
+6. `Checkpoint` saves the run periodically, at each evaluation when it keeps
    the best checkpoints by a metric, and at the end (so a stopped run is saved).
-6. `Profile` traces a window of steps with `jax.profiler`.
+7. `Profile` traces a window of steps with `jax.profiler`.
 
 Each gets the parts it needs when it is built (a writer, the evaluator, the
 save function), never the Trainer.
@@ -39,6 +42,26 @@ if TYPE_CHECKING:  # Only annotations: clu's writers import TensorFlow (seconds)
 
 Batch = Mapping[str, Any]
 PyTree = Any
+
+
+class RecordConfig(Action):
+  """Before the first call, on process 0: the run's config, every override applied, to
+  `<workdir>/config.json` (`trainer.run.workdir.write_config`, what `trainer.generate`,
+  `trainer.harness` and `trainer.export` read) and to `writer.write_hparams` (TensorBoard's
+  hparams; the console only says where they are)."""
+
+  def __init__(self, config: ml_collections.ConfigDict, workdir: str,
+               writer: metric_writers.MetricWriter):
+    super().__init__(every_steps=0)
+    self.config, self.workdir, self.writer = config, workdir, writer
+
+  def begin(self, view: StepView) -> None:
+    if jax.process_index() != 0:
+      return
+    from trainer.run.workdir import write_config
+    path = write_config(self.workdir, self.config)
+    self.writer.write_hparams(self.config.to_dict())
+    logging.info("The run's config: %s", path)
 
 
 class StopOnSignal(Action):
@@ -336,20 +359,24 @@ def from_config(config: ml_collections.ConfigDict, *, writer: metric_writers.Met
     learning_rate: `step -> rate`, logged.
     checkpointer: where the run is saved (None: no checkpoints, no SIGTERM handling).
     eval_batches: returns a fresh iterable of eval batches (None: no evaluation).
-    workdir: where a profile trace goes when `profile.logdir` is empty.
+    workdir: where the run's config goes (`RecordConfig`; None: nowhere), and a profile
+      trace when `profile.logdir` is empty.
     after_eval: actions that run right after `Evaluate` (a sweep's report), or where it
       would run.
 
   Raises:
     ValueError: an early-stopping or profile setting that cannot work (before any step).
   """
-  actions: list[Action] = [StopOnSignal()] if checkpointer else []
+  actions: list[Action] = [RecordConfig(config, workdir, writer)] if workdir else []
+  if checkpointer:
+    actions.append(StopOnSignal())
   actions.append(ReportMetrics(
       writer, every_steps=config.log_every_steps, fetch_metrics=strategy.fetch_metrics,
       merge_host_metrics=strategy.merge_host_metrics, learning_rate=learning_rate,
       batch_size=config.batch_size, counts_skipped=recipe.skips_nonfinite,
       peak_tflops=lambda: throughput_lib.peak_tflops(jax.devices()[0],
-                                                     config.mixed_precision.compute_dtype)))
+                                                     config.mixed_precision.compute_dtype),
+      flops_figures=throughput_lib.reports_flops(jax.devices()[0])))
   if recipe.skips_spikes:
     actions.append(ReportSpikes(writer, every_steps=config.log_every_steps,
                                 to_host=strategy.to_canonical))
@@ -412,5 +439,5 @@ def __getattr__(name: str):
   raise AttributeError(f"module 'trainer.loop.builtin' has no attribute {name!r}")
 
 
-__all__ = ["Checkpoint", "EarlyStopping", "Evaluate", "Profile", "ReportMetrics", "ReportSpikes",
-           "StopOnSignal", "check_config", "from_config", "with_user_actions"]
+__all__ = ["Checkpoint", "EarlyStopping", "Evaluate", "Profile", "RecordConfig", "ReportMetrics",
+           "ReportSpikes", "StopOnSignal", "check_config", "from_config", "with_user_actions"]

@@ -46,6 +46,8 @@ class ReportMetrics(Action):
     peak_tflops: `() -> the device's peak TFLOP/s, or None`: with a peak, `train/mfu`.
     tokens_per_step: `() -> tokens in a batch, or None` (language models), for
       `train/tokens_per_sec`. Default: the run's (`StepView.tokens_per_step`).
+    flops_figures: whether to write `train/tflops_per_device` and `train/mfu` at all
+      (the built-in actions: on an accelerator, `trainer.throughput.reports_flops`).
 
   Time: `clock` (`trainer.loop.timing.LoopClock`) is the one the loop measures
   with; each write adds `train/time_<category>` (fractions of the wall time so
@@ -63,9 +65,11 @@ class ReportMetrics(Action):
                learning_rate: Callable[[int], float | None], batch_size: int,
                counts_skipped: bool = False, flops: Callable[[], Any] | None = None,
                peak_tflops: Callable[[], float | None] | None = None,
-               tokens_per_step: Callable[[], int | None] | None = None):
+               tokens_per_step: Callable[[], int | None] | None = None,
+               flops_figures: bool = True):
     super().__init__(every_steps=every_steps)
     self.flops, self.peak_tflops, self.tokens_per_step = flops, peak_tflops, tokens_per_step
+    self.flops_figures = flops_figures
     self.clock = timing.LoopClock()
     self.writer = writer
     self.fetch_metrics, self.merge_host_metrics = fetch_metrics, merge_host_metrics
@@ -162,6 +166,8 @@ class ReportMetrics(Action):
     tokens = self.tokens_per_step() if self.tokens_per_step else view.tokens_per_step
     if tokens:
       out["train/tokens_per_sec"] = steps_per_sec * tokens
+    if not self.flops_figures:
+      return out
     flops = self.flops() if self.flops else view.flops
     if flops is not None and flops.per_device is not None:
       achieved = flops.per_device * steps_per_sec / 1e12

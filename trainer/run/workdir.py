@@ -1,13 +1,42 @@
 """The directory a run writes to (`--workdir`), checked before anything runs.
 
 Checkpoints (`<workdir>/checkpoints`), `metrics.jsonl`, TensorBoard event
-files, a profile trace and a sweep's summary all go there. A path that cannot
-be that directory is refused before the dataset is read or a device is touched.
+files, a profile trace and a sweep's summary all go there, and the config the run
+ran with, every override applied (`config.json`, `write_config`): what
+`trainer.generate`, `trainer.harness` and `trainer.export` read from a workdir. A
+path that cannot be that directory is refused before the dataset is read or a
+device is touched.
 """
 
 from __future__ import annotations
 
+import json
 import os
+from typing import Any
+
+#: The run's config in its workdir, as JSON.
+CONFIG_NAME = "config.json"
+
+
+def write_config(workdir: str, config: Any) -> str:
+  """Writes `config` (an ml_collections `ConfigDict`) to `<workdir>/config.json`, replacing
+  the file in one rename (a reader never sees half of it); returns the path.
+
+  A value JSON cannot hold (an object a user put in the config) is written as its
+  `repr`, as `ConfigDict.to_json_best_effort` does.
+  """
+  os.makedirs(workdir, exist_ok=True)
+  path = os.path.join(workdir, CONFIG_NAME)
+  try:
+    text = config.to_json(indent=2)
+  except (TypeError, ValueError):
+    text = config.to_json_best_effort(indent=2)
+  json.loads(text)  # What the commands read back.
+  partial = f"{path}.tmp-{os.getpid()}"
+  with open(partial, "w", encoding="utf-8") as f:
+    f.write(text + "\n")
+  os.replace(partial, path)
+  return path
 
 
 def check_workdir(path: str, *, flag: str = "--workdir") -> None:
