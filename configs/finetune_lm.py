@@ -35,8 +35,9 @@ def get_config(variant: str = "full") -> ml_collections.ConfigDict:
   # --config.model.family=llama, mistral, qwen2 or qwen3); each family's own fields are
   # declared None (its default) as in configs/lm.py; the vocabulary is the tokenizer's.
   config.model = ml_collections.ConfigDict(dict(
-      family="gpt2", vocab_size=512, num_layers=2, embed_dim=64, num_heads=4, head_dim=ml_collections.config_dict.placeholder(int),
-      mlp_dim=256, max_len=128, **lm.family_fields()))
+      family="gpt2", vocab_size=512, num_layers=2, embed_dim=64, num_heads=4,
+      head_dim=ml_collections.config_dict.placeholder(int), mlp_dim=256, max_len=128,
+      **lm.family_fields()))
   config.seq_len = 64
   config.batch_size = 16
   config.eval_batch_size = 16

@@ -21,7 +21,7 @@ per member in an ensemble, over the global batch under data parallelism.
 
 TensorBoard event files, `metrics.jsonl` and orbax checkpoints
 (`checkpoints/<step>`) go to `--workdir`. Running the same command again in
-the same workdir resumes from the latest complete checkpoint; on SIGTERM the
+the same workdir resumes from the latest complete checkpoint; on SIGTERM or Ctrl-C the
 run saves a checkpoint and exits 0.
 
 On several processes (each feeding its rows of every batch; logs and files

@@ -1,4 +1,4 @@
-"""Checkpoints: exact resume after SIGKILL/SIGTERM, cross-strategy restore, the guard, bad input.
+"""Checkpoints: exact resume after SIGKILL, SIGTERM and Ctrl-C; cross-strategy restore; bad input.
 
 Tests where a process dies run `tests/resume_run.py` in a real subprocess;
 the rest run in-process on the 8 fake devices.
@@ -99,6 +99,42 @@ def test_sigterm_saves_exits_zero_and_resumes_bit_for_bit(tmp_path, straight):
   result = _run(tmp_path / "work", tmp_path / "final.npz")
   assert f"Resuming at step {stopped}" in result.stderr
   _assert_identical(straight, tmp_path / "final.npz")
+
+
+def test_ctrl_c_saves_exits_zero_and_resumes_bit_for_bit(tmp_path, straight):
+  """The first SIGINT is a stop at the next step with a checkpoint, as SIGTERM is."""
+  rc, _, stderr = _start_and_signal(tmp_path / "work", tmp_path / "final.npz",
+                                    signal.SIGINT, 8)
+  assert rc == 0, stderr[-3000:]
+  assert "KeyboardInterrupt" not in stderr and "Traceback" not in stderr
+  assert "press Ctrl-C again to stop at once" in stderr
+  line = next(ln for ln in stderr.splitlines() if "Stopped by SIGINT at step" in ln)
+  stopped = int(line.split("at step ")[1].split()[0])
+  assert max(_complete_steps(tmp_path / "work")) == stopped  # Saved where it stopped.
+  result = _run(tmp_path / "work", tmp_path / "final.npz")
+  assert f"Resuming at step {stopped}" in result.stderr
+  _assert_identical(straight, tmp_path / "final.npz")
+
+
+def test_a_second_ctrl_c_stops_at_once_with_one_line(tmp_path):
+  """Two SIGINTs: no save after the second, status 130, one line, no traceback."""
+  work = tmp_path / "work"
+  proc = subprocess.Popen(_command(work, tmp_path / "final.npz", "--batch_delay=1.0"),
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  lines = []
+  for line in proc.stderr:  # The first Ctrl-C once the run has stepped, the second once told.
+    lines.append(line)
+    if line.startswith("INFO:root:step "):
+      proc.send_signal(signal.SIGINT)
+    if "press Ctrl-C again" in line:
+      proc.send_signal(signal.SIGINT)
+      break
+  stderr = "".join(lines) + proc.communicate(timeout=120)[1]
+  assert proc.returncode == 130, stderr[-3000:]
+  assert "Traceback" not in stderr and "Stopped by SIGINT" not in stderr
+  assert stderr.strip().splitlines()[-1].startswith("Stopped at once by a second Ctrl-C")
+  # No checkpoint of the stop: at most the periodic ones (every EVERY steps) already begun.
+  assert all(step % EVERY == 0 for step in _complete_steps(work))
 
 
 def test_killed_during_a_save_resumes_from_the_previous_checkpoint(tmp_path, straight):

@@ -10,9 +10,10 @@ scheduler would give it (`JAX_COORDINATOR_ADDRESS`, `JAX_NUM_PROCESSES`,
 with those variables set, or with `TRAINER_DISTRIBUTED=auto` where
 `jax.distributed.initialize()` detects the cluster (SLURM, Cloud TPU pods).
 
-SIGTERM or SIGINT to the launcher goes to every process (they agree on a step,
-save and exit 0). When a process fails, the others cannot go on (they would
-wait for it in a collective), so the launcher kills them; the latest complete
+SIGTERM or a first SIGINT (Ctrl-C) to the launcher goes to every process as SIGTERM
+(they agree on a step, save and exit 0); a second SIGINT kills them at once. When a
+process fails, the others cannot go on (they would wait for it in a collective), so the
+launcher kills them; the latest complete
 checkpoint stays as it was. With `--max_restarts N` it then starts all the
 processes again, up to N times (torchrun's elastic restarts): the script
 resumes from the latest complete checkpoint in its workdir, as a rerun does.
@@ -92,12 +93,18 @@ def _attempt(script_and_args: list[str], num_processes: int, port: int, restart:
     relays.append(threading.Thread(target=_relay, args=(i, p.stdout, sys.stdout), daemon=True))
     relays[-1].start()
 
+  interrupts = []
+
   def forward(signum, frame):
     del frame
     stop.set()
+    if signum == signal.SIGINT:
+      interrupts.append(signum)
+    # jax's preemption service agrees on a step for SIGTERM only; a second Ctrl-C: at once.
+    sent = signal.SIGKILL if len(interrupts) > 1 else signal.SIGTERM
     for p in procs:
       if p.poll() is None:
-        p.send_signal(signum)
+        p.send_signal(sent)
 
   previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
   status, failed_process = 0, None

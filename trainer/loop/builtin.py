@@ -21,6 +21,7 @@ save function), never the Trainer.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
 import time
@@ -65,18 +66,23 @@ class RecordConfig(Action):
 
 
 class StopOnSignal(Action):
-  """Requests a stop at the first step boundary after one of `signals` arrives.
+  """Requests a stop at the first step boundary after one of `signals` arrives: SIGTERM (a
+  scheduler's preemption) and the first SIGINT (Ctrl-C), after which the run saves a
+  checkpoint and `fit` returns (`stopped_by` names the signal). A second SIGINT stops at
+  once: the step in flight is not finished, nothing more is saved, and the process exits
+  with status 130 and one line (no traceback); the latest complete checkpoint is as it was.
 
   On one process a Python handler notes the signal. On a multi-process run
   (`jax.distributed`) a SIGTERM reaches one process, or several at different
   steps, so the processes must agree on where to stop: jax's preemption
   service (which catches SIGTERM itself) tells every process the same step,
   the first one all of them can still reach, and each stops there, so they
-  save one checkpoint together. Outside the main thread (where Python cannot
-  install handlers) a one-process run ignores signals.
+  save one checkpoint together (`trainer.distributed.launch` turns a Ctrl-C into a
+  SIGTERM to every process). Outside the main thread (where Python cannot install
+  handlers) a one-process run ignores signals.
   """
 
-  def __init__(self, signals: Iterable[int] = (signal.SIGTERM,)):
+  def __init__(self, signals: Iterable[int] = (signal.SIGTERM, signal.SIGINT)):
     super().__init__(every_steps=1)
     self.signals = tuple(signals)
     self.received: int | None = None
@@ -84,6 +90,11 @@ class StopOnSignal(Action):
 
   def _handle(self, signum, frame):
     del frame
+    if signum == signal.SIGINT and self.received is not None:
+      stop_at_once()
+    if signum == signal.SIGINT:
+      logging.warning("Ctrl-C: the run stops after this step and saves a checkpoint; press "
+                      "Ctrl-C again to stop at once, without saving.")
     self.received = signum
 
   def begin(self, view: StepView) -> None:
@@ -111,6 +122,26 @@ class StopOnSignal(Action):
     for s, handler in self._previous.items():
       signal.signal(s, handler)
     self._previous = {}
+
+
+def stop_at_once() -> None:
+  """A second Ctrl-C: raises `KeyboardInterrupt` here, and the process, if nothing catches
+  it, prints one line and exits with status 130 instead of a traceback."""
+  import sys
+
+  previous = sys.excepthook
+
+  def one_line(kind, value, traceback):
+    if not issubclass(kind, KeyboardInterrupt):
+      return previous(kind, value, traceback)
+    sys.stderr.write("Stopped at once by a second Ctrl-C; the latest complete checkpoint is "
+                     "as it was: run the same command to resume from it.\n")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(130)  # The error has come through every `finally`: nothing is left to do.
+
+  sys.excepthook = one_line
+  raise KeyboardInterrupt
 
 
 class Evaluate(Action):
