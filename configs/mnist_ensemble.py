@@ -25,7 +25,9 @@ def get_config() -> ml_collections.ConfigDict:
 
   config.batch_size = 128
   config.eval_batch_size = 500  # Any size: the Trainer pads each eval batch to split evenly.
-  config.num_epochs = 10  # As in the Flax MNIST example; about 30 min for 8 members on 2 CPU cores.
+  # One pass: about 4.5 minutes for 8 members on 2 CPU cores, to 98.6% (the ensemble's test
+  # accuracy). The Flax MNIST example's 10 (--config.num_epochs=10): 99.4%, half an hour.
+  config.num_epochs = 1
   config.num_train_steps = -1  # > 0 overrides num_epochs.
   config.log_every_steps = 100
   config.eval_every_steps = 0  # 0: evaluate at the end only.

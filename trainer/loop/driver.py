@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -169,10 +170,14 @@ def _act(method: Callable[[StepView], Produced | None], action: Action, view: St
 def _call(advance: Advance, view: StepView, finite: FiniteCheck | None, clock: LoopClock, *,
           compiles: bool) -> StepView:
   """One compiled call; its `finite` flags are queued, and the call before it checked."""
+  begin = time.perf_counter()
   with clock.measure("compile" if compiles else "train"):
     state, outputs, step, data_state = advance(view.state, view.step)
     if compiles:  # Its first run is one-time work too (collectives set up): wait for it here.
       jax.block_until_ready(outputs)
+  if compiles:  # The first news of a run whose first log step may be minutes away.
+    logging.info("Train step compiled: step %d of %d done in %.1f s (compiling included); "
+                 "training on.", step, view.num_steps, time.perf_counter() - begin)
   if finite:
     with clock.measure("train"):  # Waits for the call before this one.
       finite.push(step, outputs["finite"])
