@@ -137,6 +137,7 @@ def corpus_fields() -> ml_collections.ConfigDict:
       sources=(),
       weights=(),  # One per source (its share of rows); empty: equal.
       text_field="text",  # The JSON key or Parquet column that holds a document.
+      text_fields=(),  # One per source, as weights (a JSONL `text`, a Parquet `content`).
       # A tokenizer.json or a model directory; "": config.init_from.path's.
       tokenizer="",
       add_bos=ml_collections.FieldReference(None, field_type=bool),  # None: as the model says.
@@ -157,6 +158,7 @@ def corpus_fields() -> ml_collections.ConfigDict:
       prompt_field="prompt",
       response_field="response",
       eval_sources=(),  # Held-out files, read in order; empty: the synthetic held-out set.
+      eval_text_fields=(),  # One per eval source; empty: text_field for each.
       eval_batches=4,  # Eval batches read from eval_sources.
   ))
 

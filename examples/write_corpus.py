@@ -18,10 +18,12 @@ import glob
 import gzip
 import json
 import os
+import sys
 
 from absl import app, flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)  # Run from a checkout without installing.
 FLAGS = flags.FLAGS
 flags.DEFINE_string("out", None, "Directory to write the corpus and tokenizer into.")
 flags.DEFINE_integer("shards", 4, "Train shards.")
@@ -43,7 +45,7 @@ def paragraphs() -> list[str]:
 
 def main(argv):
   del argv
-  from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+  from trainer.data.train_tokenizer import train_tokenizer
 
   os.makedirs(FLAGS.out, exist_ok=True)
   docs = paragraphs()
@@ -57,15 +59,9 @@ def main(argv):
   with open(os.path.join(FLAGS.out, "valid.jsonl"), "w", encoding="utf-8") as f:
     for doc in held:
       f.write(json.dumps({"text": doc}) + "\n")
-  tokenizer = Tokenizer(models.BPE())
-  tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-  tokenizer.decoder = decoders.ByteLevel()
-  tokenizer.train_from_iterator(train, trainers.BpeTrainer(
-      vocab_size=FLAGS.vocab_size, special_tokens=[BOS, EOS],
-      initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
-  tokenizer.save(os.path.join(FLAGS.out, "tokenizer.json"))
-  with open(os.path.join(FLAGS.out, "tokenizer_config.json"), "w") as f:
-    json.dump({"bos_token": BOS, "eos_token": EOS, "add_bos_token": True}, f, indent=1)
+  # The command for a corpus of your own: python -m trainer.data.train_tokenizer.
+  tokenizer, _ = train_tokenizer(train, FLAGS.out, vocab_size=FLAGS.vocab_size, bos=BOS,
+                                 eos=EOS, min_frequency=0)
   print(f"wrote {len(train)} train documents in {FLAGS.shards} shards, {len(held)} held out, "
         f"and a {tokenizer.get_vocab_size()}-token tokenizer to {FLAGS.out}")
 

@@ -49,12 +49,10 @@ from trainer.data.records import (
   TFDS_PREFIX,
   BadRecord,
   CorpusError,
-  IndexedRecords,
-  JsonLines,
-  ParquetRows,
   check_tfds,
   format_of,
   has_text_column,
+  open_reader,
   tfds_source,  # noqa: F401 (this module's name before the readers moved)
 )
 
@@ -256,15 +254,8 @@ class ShardIterator(grain.DatasetIterator):
   def _open(self):
     path = self._files(self._epoch)[self._file]
     field = None if self.chat is not None else self.source.field  # None: the whole record.
-    if format_of(path) == "jsonl":
-      self._reader = JsonLines(path, field, self._pos, self._record)
-    elif format_of(path) in ("array_record", "tfds"):
-      self._reader = IndexedRecords(path, field, self._record)
-    elif self.chat is not None:
-      raise CorpusError(f"{path}: instruction records (config.data.chat=True) are read from "
-                        f"JSONL files; this is Parquet.")
-    else:
-      self._reader = ParquetRows(path, self.source.field, self._record)
+    self._reader = open_reader(path, field, pos=self._pos, record=self._record,
+                               chat=self.chat is not None)
 
   # -- Reading ---------------------------------------------------------------------------
 

@@ -5,7 +5,8 @@ mixed, per process, resumed exactly.
 
 - `sources`: one entry per source, each a comma-separated list of paths, globs or
   directories of `.jsonl`/`.jsonl.gz`/`.parquet` files (`trainer.data.corpus`);
-  `weights` (one per source, default equal) and `text_field`;
+  `weights` (one per source, default equal) and `text_fields` (one per source; default
+  `text_field` for each), as `eval_sources` have `eval_text_fields`;
 - `tokenizer`: a `tokenizer.json` or a model directory; empty: `config.init_from.path`,
   the directory the weights come from. BOS/EOS as that directory says (`add_bos`,
   `add_eos` override);
@@ -54,8 +55,8 @@ import numpy as np
 from trainer.data import corpus as corpus_lib
 from trainer.data import packing
 from trainer.data.corpus import TextSource, Tokenizer
-from trainer.data.positions import LANES_KEY, PROCESS_KEY, STATES_KEY, gather_state, skipped_counts
-from trainer.loop.actions import Action
+from trainer.data.corpus_metrics import CorpusMetrics, skipped_records  # noqa: F401 (lm's names)
+from trainer.data.positions import LANES_KEY, PROCESS_KEY, STATES_KEY, gather_state  # noqa: F401
 
 LAYOUTS = ("packed", "chunked")
 MAX_DEFAULT_LANES = 8
@@ -366,39 +367,6 @@ def check_state(state: Any, lanes: int) -> None:
                      f"config.data.lanes={state[LANES_KEY]}.")
 
 
-def skipped_records(state: Any) -> dict[str, int]:
-  """Bad records skipped, by kind (every kind of `corpus.BAD_KINDS`), summed over the lanes
-  and sources of a corpus state."""
-  return {**dict.fromkeys(corpus_lib.BAD_KINDS, 0), **skipped_counts(state)}
-
-
-class CorpusMetrics(Action):
-  """Writes the bad records skipped so far, by kind, summed over every process's lanes
-  (`data/skipped_<kind>`), so that none is dropped silently: every kind at the first
-  write, then a kind when its count has changed (checked every `every_steps` and at the
-  end), so a clean corpus logs its zeros once. It gathers the processes' counts: every
-  process runs it at the same steps (the loop's schedule)."""
-
-  def __init__(self, writer, *, every_steps: int):
-    super().__init__(every_steps=every_steps)
-    self.writer = writer
-    self._written: dict[str, int] | None = None  # What this run wrote last, by kind.
-
-  def triggers(self, view) -> bool:
-    return bool(view.crossed(self.every_steps)) or view.is_last
-
-  def next_boundary(self, step: int) -> None:
-    return None  # Cumulative counts: any step after a boundary reports them.
-
-  def run(self, view) -> None:
-    counts = skipped_records(gather_state(view.data_state))
-    changed = {k: v for k, v in counts.items()
-               if self._written is None or self._written.get(k) != v}
-    if changed:
-      self.writer.write_scalars(view.step, {f"data/skipped_{k}": v for k, v in changed.items()})
-    self._written = dict(counts)
-
-
 # -- From the config -------------------------------------------------------------------------
 
 
@@ -422,6 +390,16 @@ def check_config(config: ml_collections.ConfigDict) -> list[TextSource]:
     raise ValueError(f"config.data.weights={tuple(data.weights)} has {len(data.weights)} "
                      f"weights for {len(data.sources)} sources; give one per source, or none "
                      f"(equal).")
+  fields = tuple(data.text_fields)
+  if fields and (len(fields) != len(data.sources)
+                 or not all(isinstance(f, str) and f for f in fields)):
+    raise ValueError(f"config.data.text_fields={fields} must name one field per source "
+                     f"({len(data.sources)} sources), or none (config.data.text_field="
+                     f"{data.text_field!r} for each).")
+  eval_fields = tuple(data.eval_text_fields)
+  if eval_fields and len(eval_fields) != len(data.eval_sources):
+    raise ValueError(f"config.data.eval_text_fields={eval_fields} must name one field per "
+                     f"eval source ({len(data.eval_sources)}), or none.")
   if not isinstance(data.lanes, int) or data.lanes < 0:
     raise ValueError(f"config.data.lanes={data.lanes!r} must be an integer >= 0 (0: "
                      f"automatic).")
@@ -434,11 +412,13 @@ def check_config(config: ml_collections.ConfigDict) -> list[TextSource]:
 
 
 def resolve_sources(config) -> list[TextSource]:
+  """`config.data.sources`, each with its weight and its text field (`text_fields`, one per
+  source; empty: `text_field` for each)."""
   data = config.data
   weights = tuple(data.weights) or (1.0,) * len(data.sources)
-  return [corpus_lib.resolve(spec, field=data.text_field, weight=w,
-                             where=f"config.data.sources[{i}]")
-          for i, (spec, w) in enumerate(zip(data.sources, weights, strict=True))]
+  fields = tuple(data.text_fields) or (data.text_field,) * len(data.sources)
+  return [corpus_lib.resolve(spec, field=field, weight=w, where=f"config.data.sources[{i}]")
+          for i, (spec, w, field) in enumerate(zip(data.sources, weights, fields, strict=True))]
 
 
 def tokenizer_path(config) -> str:
@@ -480,7 +460,7 @@ def eval_batches(config) -> list[dict[str, np.ndarray]]:
   held_out = ml_collections.ConfigDict(config.to_dict())
   with held_out.unlocked():
     held_out.data.update(sources=tuple(data.eval_sources), weights=(), lanes=1,
-                         shuffle_files=False)
+                         shuffle_files=False, text_fields=tuple(data.eval_text_fields))
     held_out.batch_size = config.eval_batch_size
   iterator = from_config(held_out, epochs=1)()
   batches = []

@@ -162,6 +162,37 @@ class IndexedRecords:
     self.pos = self.record
 
 
+def open_reader(path: str, field: str | None, *, pos: int = 0, record: int = 0,
+                chat: bool = False):
+  """The reader of `path`'s format from byte offset `pos` (JSONL) or record `record`;
+  `field` None: whole records (instruction data, JSONL and indexed formats only).
+
+  Raises:
+    CorpusError: instruction records (`chat`) asked of a Parquet file.
+  """
+  fmt = format_of(path)
+  if fmt == "jsonl":
+    return JsonLines(path, field, pos, record)
+  if fmt in ("array_record", "tfds"):
+    return IndexedRecords(path, field, record)
+  if chat:
+    raise CorpusError(f"{path}: instruction records (config.data.chat=True) are read from "
+                      f"JSONL files; this is Parquet.")
+  return ParquetRows(path, field, record)
+
+
+def texts(files, field: str):
+  """Every record's text field of `files` in order, the records without one left out (what
+  a tokenizer trains on, `trainer.data.train_tokenizer`)."""
+  for path in files:
+    reader = open_reader(path, field)
+    while (item := reader.next_for(0, 1)) is not None:
+      value = item[2]
+      reader.advance()
+      if isinstance(value, str) and value.strip():
+        yield value
+
+
 def _text(value):
   if isinstance(value, (bytes, np.bytes_)):
     try:
