@@ -102,6 +102,7 @@ FEW_STEPS = {
                                 "--config.schedule.warmup_steps=0", "--samples=1",
                                 "--sample_tokens=2"],
     "trainer.export": [],  # Reads one checkpoint: seconds as written.
+    "trainer.data.train_tokenizer": [],  # A 1024-token BPE on the docs' paragraphs: seconds.
     "benchmarks/hf_load.py": ["--layers", "1", "--embed", "64", "--vocab", "256"],
     # The import row alone: two interpreters per column (an untimed one first).
     "benchmarks/first_step.py": ["--programs", "imports"],
@@ -132,6 +133,14 @@ FEW_STEPS_FOR_CONFIG = {"configs/mnist_study.py": ["--config.sweep.study.n_trial
 MADE_BY = {
     "/tmp/finetune": ".venv/bin/python examples/finetune_lm.py --workdir=/tmp/finetune",
     "/tmp/corpus": ".venv/bin/python examples/write_corpus.py --out=/tmp/corpus",
+    "/tmp/lm_corpus": (".venv/bin/python examples/transformer_lm.py --workdir=/tmp/lm_corpus "
+                       "--config.data.sources='(\"/tmp/corpus/train-*.jsonl.gz\",)' "
+                       "--config.data.eval_sources='(\"/tmp/corpus/valid.jsonl\",)' "
+                       "--config.data.tokenizer=/tmp/corpus --config.model.vocab_size=512 "
+                       "--config.model.family=llama"),
+    "/tmp/my_tokenizer": (".venv/bin/python -m trainer.data.train_tokenizer "
+                          "--files='/tmp/corpus/train-*.jsonl.gz' --vocab_size=1024 "
+                          "--out=/tmp/my_tokenizer"),
     "/tmp/mnist_study": (".venv/bin/python examples/mnist_ensemble.py "
                          "--config=configs/mnist_study.py --workdir=/tmp/mnist_study "
                          "--config.data.manual_dir=../shared/data/mnist"),
@@ -162,7 +171,8 @@ EXPECTED_OUTPUT = {
     "benchmarks/pipeline.py": r"^gpipe_m4\s+\d+\.\d{4}\s+\d+\.\d{2}x\s+42\.9%\s+\d",
     "examples/finetune_lm.py": r"^validation loss: before=\d+\.\d{4} after=\d+\.\d{4}",
     "trainer.export": r"^wrote \d+ tensors to \S+model\.safetensors",
-    "trainer.generate": r"^\[0\] 'The tests make'\n  -> ['\"].*['\"]$",
+    "trainer.data.train_tokenizer": r"^wrote a 1024-token byte-level BPE tokenizer trained on \d+ ",
+    "trainer.generate": r"^\[0\] '(<\|bos\|>)?The tests make'\n  -> ['\"].*['\"]$",
     "trainer.harness": r"^docs_choice/acc: \d\.\d{4}$",
     "benchmarks/harness_cost.py": r"^harness action\s+\d+\.\d{4}\s+\d+\.\dx$",
     "benchmarks/generation.py": (r"^\s+4 cached\s+\d+\.\d{4}\s+\d+\.\d\s+\d+\.\d{2}x\s+"
@@ -191,6 +201,21 @@ def page_commands(page: pathlib.Path) -> list[str]:
 def commands(pages=PAGES) -> list[str]:
   """Every command of the README and the docs, each once, in the order they appear."""
   return list(dict.fromkeys(c for page in pages for c in page_commands(page)))
+
+
+#: The corpus guide's path from text files to a Hugging Face model: its first block of
+#: commands, which `tests/test_user_path.py` runs in order (and no other test runs again).
+USER_PATH_PAGE = ROOT / "docs" / "guides" / "corpus.md"
+
+
+def user_path() -> list[str]:
+  """The commands of the corpus guide's first bash block, in order."""
+  block = re.search(r"```bash\n(.*?)```", USER_PATH_PAGE.read_text(), flags=re.S).group(1)
+  return [" ".join(line.split()) for line in block.splitlines() if line.strip()]
+
+
+def on_the_user_path(command: str) -> bool:
+  return command in user_path()
 
 
 def is_test_command(command: str) -> bool:
@@ -330,7 +355,7 @@ def command_id(command: str) -> str:
 def run_and_check(command: str, runner: Runner) -> None:
   """Runs a documented command with few steps (or serves TensorBoard) and checks its output."""
   for path, maker in MADE_BY.items():
-    reads = re.search(rf"[=\s]({re.escape(path)})(/|\s|$)", command)
+    reads = re.search(rf"[=\s'\"(]({re.escape(path)})(/|\s|$)", command)
     if reads and maker != command and not runner.path(path).exists():
       check(maker, runner.run(maker))
   if script_of(command):

@@ -15,7 +15,8 @@ LIBRARY = sorted(p for d in ("trainer", "strategies") for p in (ROOT / d).rglob(
 #: everything else the library reads is a base field.
 SETUP_SECTIONS = ("model", "data", "seq_len")
 CONFIG_DICT_METHODS = {"get", "update", "to_dict", "items", "keys", "values", "get_ref",
-                       "lock", "unlock", "copy_and_resolve_references"}
+                       "lock", "unlock", "copy_and_resolve_references", "to_json",
+                       "to_json_best_effort"}
 
 
 def _config_reads(path: pathlib.Path) -> list[tuple[int, str, bool]]:

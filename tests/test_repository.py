@@ -61,6 +61,46 @@ def test_jax_stack_dependencies_are_bounded_and_hold_the_installed_versions():
     assert installed in spec, f"installed {name} {installed} is outside {spec}"
 
 
+#: The extras that name what a part of the product needs: a module only they install is
+#: imported where that part runs (`test` and `docs` are for checking the product only).
+PRODUCT_EXTRAS = ("eval", "wandb")
+
+
+def test_every_third_party_module_the_product_imports_is_declared():
+  """`pip install -e .` (plus the extra that documents a part) installs every distribution
+  the product's code imports: the packages, the configs and the examples."""
+  import ast
+  import importlib.metadata
+  import sys
+  import tomllib
+
+  from packaging.requirements import Requirement
+  from packaging.utils import canonicalize_name
+
+  project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+  extras = project["optional-dependencies"]
+  declared = {canonicalize_name(Requirement(r).name) for r in project["dependencies"]}
+  declared |= {canonicalize_name(Requirement(r).name) for extra in PRODUCT_EXTRAS
+               for r in extras[extra]}
+  ours = {"trainer", "strategies", "models", "configs", "examples", "__future__"}
+  imported = {}
+  for top in ("trainer", "strategies", "models", "configs", "examples"):
+    for path in (ROOT / top).rglob("*.py"):
+      for node in ast.walk(ast.parse(path.read_text())):
+        names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                 [node.module] if isinstance(node, ast.ImportFrom) and not node.level else [])
+        for name in names:
+          root = name.split(".")[0]
+          if root not in sys.stdlib_module_names and root not in ours:
+            imported.setdefault(root, path.relative_to(ROOT))
+  distributions = importlib.metadata.packages_distributions()
+  missing = {f"{module} ({distributions.get(module)}, imported by {where})"
+             for module, where in imported.items()
+             if not {canonicalize_name(d) for d in distributions.get(module, [module])}
+             & declared}
+  assert len(imported) > 15 and not missing, sorted(missing)
+
+
 # -- What the docs say of the code, checked against it --------------------------------------
 
 def _docstring_families(text):
@@ -106,22 +146,26 @@ def test_the_readme_is_a_front_door():
   assert len(lines) < 250, f"README.md has {len(lines)} lines"
 
 
-def test_the_readmes_slowest_tests_are_tests_of_the_suite():
-  """Each row of the README's table of the slowest tests names a test function that still
-  exists in its file, slowest cold first: a renamed or removed test fails here."""
-  rows = re.findall(r"^\| `(test_\w+\.py)::(test_\w+)(?:\[[^\]]*\])?`[^|]*\| ([\d.]+) \| "
-                    r"([\d.]+) \|$", (ROOT / "README.md").read_text(), flags=re.M)
-  assert len(rows) >= 5, rows
-  for file, name, _, _ in rows:
-    source = ROOT / "tests" / file
-    assert source.is_file() and re.search(rf"^def {name}\(", source.read_text(), flags=re.M), (
-        f"README.md's slowest tests name {file}::{name}, which is not in the suite")
-  cold = [float(c) for _, _, c, _ in rows]
-  assert cold == sorted(cold, reverse=True), cold
+#: The pages a user reads: the README and every page of the docs.
+PAGES = (ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md")))
+
+
+def test_the_docs_are_references_not_logs():
+  """No page cites the tracker's issues (git keeps the history), the README's setup holds
+  no suite timings, and the testing guide is a guide, not a diary of runs."""
+  cited = [f"{page.relative_to(ROOT)}: {m.group(0)!r}" for page in PAGES
+           if "_build" not in page.parts
+           for m in re.finditer(r"\bissues? [\"']?\d+", page.read_text())]
+  assert not cited, cited
+  readme = (ROOT / "README.md").read_text()
+  assert not re.search(r"\bcold\b|\bwarm\b|slowest tests", readme)
+  testing = (ROOT / "docs" / "guides" / "testing.md").read_text().splitlines()
+  assert len(testing) < 200, len(testing)
+  assert not re.search(r"calibration|\bpairing\b|fresh clones? of", "\n".join(testing))
 
 
 def test_the_structure_tables_show_the_source_as_it_is():
-  """The README's and the architecture page's "now" column is what `benchmarks/structure.py`
+  """The architecture page's "now" column is what `benchmarks/structure.py`
   measures in this tree (the Trainer's size is the figure a new method or flag would move)."""
   import importlib.util
   spec = importlib.util.spec_from_file_location("structure", ROOT / "benchmarks" / "structure.py")
@@ -133,10 +177,9 @@ def test_the_structure_tables_show_the_source_as_it_is():
           "longest function on the run path": re.sub(
               r"^(\S+):", r"`\1`:", now["run path: longest function"]),
           "import cycles": now["import cycles"]}
-  for page in (ROOT / "README.md", ROOT / "docs" / "architecture.md"):
-    table = dict(re.findall(r"^\| ([^|]+?) \| [^|]+ \| ([^|]+?) \|$", page.read_text(),
-                            flags=re.M))
-    assert {row: table.get(row) for row in rows} == rows, page.name
+  page = ROOT / "docs" / "architecture.md"
+  table = dict(re.findall(r"^\| ([^|]+?) \| ([^|]+?) \|$", page.read_text(), flags=re.M))
+  assert {row: table.get(row) for row in rows} == rows, page.name
 
 
 def test_no_library_module_grows_past_500_lines():

@@ -37,6 +37,9 @@ def test_a_fit_with_a_workdir_writes_the_config_it_ran_with(tmp_path, caplog):
   # The hyperparameters are in the file, not on the console; the console says where.
   assert not [line for line in lines if "Hyperparameters" in line]
   assert f"The run's config: {tmp_path / 'config.json'}" in lines
+  # The first news of the run comes once its step has compiled, not at the first log step.
+  compiled = [line for line in lines if line.startswith("Train step compiled: step 1 of 2")]
+  assert len(compiled) == 1
   # A CPU has no data-sheet peak: its log lines carry no TFLOP/s and no MFU.
   steps = [line for line in lines if line.startswith(("step ", "[1]", "[2]"))]
   assert steps and not [line for line in steps if "mfu" in line or "tflops" in line]
@@ -91,3 +94,20 @@ def test_bad_record_counts_are_written_once_and_again_when_they_change(tmp_path,
     counts = [row["data/skipped_missing_field"] for _, row in sorted(later.items())]
     assert counts == sorted(counts) and len(set(counts)) == len(counts) and np.all(
         np.asarray(counts) > 0)
+
+
+def test_the_first_command_trains_one_epoch_as_the_docs_say():
+  """The README's first command is the flagship's default config: one pass over MNIST's
+  60,000 training images, the step count and time the getting-started page states."""
+  import pathlib
+  import re
+
+  from configs import mnist_ensemble
+  from trainer import data
+  root = pathlib.Path(__file__).resolve().parents[1]
+  steps = data.num_train_steps(mnist_ensemble.get_config(), 60_000)
+  assert steps == 60_000 // 128
+  page = (root / "docs" / "getting_started.md").read_text()
+  assert f"one epoch ({steps} steps of 128 images)" in " ".join(page.split())
+  readme = " ".join((root / "README.md").read_text().split())
+  assert re.search(r"about [\d.]+ minutes on a 2-core CPU", readme)
