@@ -1,6 +1,6 @@
 r"""One command for a lent GPU: the benchmarks whose meaning is an accelerator's, one results file.
 
-    python benchmarks/gpu.py [--out gpu_results.md] [--budget 470] [--only mfu,moe]
+    python benchmarks/gpu.py [--out /tmp/gpu_results.md] [--budget 470] [--only mfu,moe]
     python benchmarks/gpu.py --size smoke      # what a CPU runs (the default there)
 
 Each stage is one of the project's benchmark scripts, run as a subprocess at the
@@ -32,7 +32,11 @@ the device), so each stage has the whole GPU. Stages run in order; one that
 would start with less than a minute of `--budget` left is skipped, and each is
 stopped at what is left. The results file (Markdown) is rewritten after every
 stage: the device, the versions, and each stage's command, status, wall time
-and output, so a run cut short still leaves what it measured.
+and output, so a run cut short still leaves what it measured. It goes to `--out`, by
+default `gpu_results.md` in the system's temporary directory (never the working tree).
+The exit status is 0 when every stage ran to the end, 1 when one failed, and 2 when
+none failed but one was stopped at the budget or skipped: a partial run is not a
+success.
 """
 
 import argparse
@@ -40,6 +44,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -137,7 +142,8 @@ def write(path: str, device: dict, size: str, results: list) -> None:
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--out", default="gpu_results.md", help="the results file (Markdown)")
+  parser.add_argument("--out", default=os.path.join(tempfile.gettempdir(), "gpu_results.md"),
+                      help="the results file (Markdown); default: in the temporary directory")
   parser.add_argument("--size", choices=("gpu", "smoke"), default=None,
                       help="default: gpu where jax's default backend is a GPU, else smoke")
   parser.add_argument("--only", default=",".join(STAGES),
@@ -180,7 +186,9 @@ def main():
     write(args.out, device, size, results)
   bad = [r["stage"] for r in results if r["status"] != "ok"]
   print(f"{len(results) - len(bad)} of {len(results)} stages ok; results in {args.out}")
-  sys.exit(1 if any(r["status"].startswith("failed") for r in results) else 0)
+  if any(r["status"].startswith("failed") for r in results):
+    sys.exit(1)
+  sys.exit(2 if bad else 0)  # Stopped at the budget, or skipped: not all was measured.
 
 
 if __name__ == "__main__":

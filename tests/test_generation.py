@@ -236,6 +236,8 @@ def test_prompts_that_do_not_fit_are_refused_before_compute(tiny):
     generator(state, [[]], Sampling(max_new_tokens=1))
   with pytest.raises(ValueError, match=r"\[0, 32\).*got 40"):
     generator(state, [[40]], Sampling(max_new_tokens=1))
+  with pytest.raises(ValueError, match=r"\[0, 32\).*got -1 \(prompt 1, position 1\)"):
+    generator(state, [[3], [5, -1, 7]], Sampling(max_new_tokens=1))  # The bad id, named.
   assert not generator._programs  # Nothing was compiled.
 
 

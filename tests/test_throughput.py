@@ -262,3 +262,23 @@ def test_watchdog_settings_are_checked_when_the_trainer_is_built():
                                        r"seconds >= 0 \(0: no watchdog\)"):
     CNNTrainer(cnn_config(watchdog_seconds=-1))
 
+
+
+def test_the_gpu_script_fails_a_run_cut_at_its_budget_and_writes_outside_the_tree(tmp_path):
+  """`benchmarks/gpu.py` with a budget too short for its stage: the stage is stopped, the
+  exit status says the run is partial (2), and the results file is the temporary
+  directory's, not the working directory's."""
+  import os
+  import pathlib
+  import subprocess
+  import sys
+  root = pathlib.Path(__file__).resolve().parents[1]
+  temp, work = tmp_path / "temp", tmp_path / "work"
+  temp.mkdir()
+  work.mkdir()
+  done = subprocess.run([sys.executable, str(root / "benchmarks" / "gpu.py"), "--only",
+                         "attention", "--budget", "1"], capture_output=True, text=True,
+                        cwd=work, env={**os.environ, "TMPDIR": str(temp)}, timeout=300)
+  assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-2000:]
+  assert "stopped at the budget" in (temp / "gpu_results.md").read_text()
+  assert not list(work.iterdir())

@@ -206,10 +206,13 @@ class Generator:
           f"positions, more than the model's max_len={self.max_len} "
           f"(config.model.max_len); at most {self.max_len - longest} new tokens fit.")
     if self.vocab_size is not None:
-      top = max(max(p) for p in prompts)
-      if top >= self.vocab_size or min(min(p) for p in prompts) < 0:
-        raise ValueError(f"generation: prompt token ids must be in [0, {self.vocab_size}) "
-                         f"(config.model.vocab_size); got {top}.")
+      for i, prompt in enumerate(prompts):
+        bad = [(j, t) for j, t in enumerate(prompt) if not 0 <= t < self.vocab_size]
+        if bad:
+          j, t = bad[0]
+          raise ValueError(f"generation: prompt token ids must be in [0, {self.vocab_size}) "
+                           f"(config.model.vocab_size); got {t} (prompt {i}, position "
+                           f"{j}).")
 
   def __call__(self, state: PyTree, prompts: Sequence[Sequence[int]],
                sampling: Sampling = Sampling(), *, seed: int = 0) -> Generation:
