@@ -138,6 +138,9 @@ class GPT2LM(nn.Module):
       (`models.vocab`); the padded logits are masked out of the softmax.
   """
 
+  #: The repeated block, by the class name `config.remat.modules` takes (the dry run's advice).
+  REMAT_BLOCK = "GPT2Block"
+
   vocab_size: int
   num_layers: int = 2
   embed_dim: int = 64

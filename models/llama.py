@@ -178,6 +178,9 @@ class LlamaLM(nnx.Module):
   (`models.vocab`), the padded logits masked out of the softmax.
   """
 
+  #: The repeated block, by the class name `config.remat.modules` takes (the dry run's advice).
+  REMAT_BLOCK = "LlamaBlock"
+
   def __init__(self, vocab_size: int, num_layers: int = 2, embed_dim: int = 64,
                num_heads: int = 4, num_kv_heads: int = 2, head_dim: int | None = None,
                mlp_dim: int = 128, max_len: int = 128, rms_norm_eps: float = 1e-6,

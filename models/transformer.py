@@ -105,6 +105,9 @@ class TransformerLM(nn.Module):
       (dense one-hot dispatch, with a capacity: the baseline `benchmarks/moe.py` measures).
   """
 
+  #: The repeated block, by the class name `config.remat.modules` takes (the dry run's advice).
+  REMAT_BLOCK = "DecoderBlock"
+
   vocab_size: int
   num_layers: int = 2
   embed_dim: int = 64

@@ -1,7 +1,10 @@
 """The dry run (`trainer/plan.py`): byte counts that agree with the compiled program and the
 placed state, and a verdict on whether a layout fits a stated memory."""
 
+import re
+
 import jax
+import numpy as np
 import pytest
 from conftest import xla_flags_naming_no_level
 from small_configs import tiny_lm_config
@@ -79,7 +82,7 @@ def test_the_plan_compiled_at_llvm_level_0_reads_as_the_program_at_xlas_defaults
       memory.argument_size_in_bytes, memory.output_size_in_bytes,
       memory.temp_size_in_bytes, memory.alias_size_in_bytes)
   cost = default.cost_analysis()
-  assert plan.flops == (cost[0] if isinstance(cost, list | tuple) else cost)["flops"]
+  assert plan.xla_flops == (cost[0] if isinstance(cost, list | tuple) else cost)["flops"]
   assert plan.collectives == count_collectives(default.as_text())
 
 
@@ -160,3 +163,49 @@ def test_a_trainer_the_dry_run_cannot_build_is_refused_with_the_reason(tmp_path)
   assert set(flags.FLAGS) == before
   cls, batch = load_trainer("trainer.language_model:LanguageModelTrainer")
   assert cls is LanguageModelTrainer and callable(batch)
+
+
+@pytest.mark.parametrize("layers", [2, 8])
+def test_the_flops_per_step_count_every_layer_as_6nt_plus_attention(layers):
+  """`configs/lm.py:fsdp` on 8 devices: the plan's FLOPs are the matrix products of every
+  layer, 6 N T (N the weights of the products, T the batch's tokens) plus attention's
+  scores and weighted sums, 12 B L^2 H D a layer, counted by hand (XLA's cost analysis
+  counts the scanned stack's body once: it barely moves with the layer count)."""
+  from configs import lm
+  config = lm.get_config("fsdp")
+  config.model.num_layers = layers
+  trainer = LanguageModelTrainer(config)
+  tokens = np.zeros((config.batch_size, config.seq_len), np.int32)
+  plan = make_plan(trainer, {"inputs": tokens, "targets": tokens})
+  m = config.model
+  e, h, d, f, v = m.embed_dim, m.num_heads, m.head_dim, m.mlp_dim, m.vocab_size
+  b, length = config.batch_size, config.seq_len
+  n = layers * (e * 3 * h * d + h * d * e + 2 * e * f) + e * v  # qkv, out, MLP; the head.
+  expected = 6 * n * b * length + layers * 12 * b * length**2 * h * d
+  assert plan.flops * plan.num_devices == pytest.approx(expected, rel=1e-9)
+  assert plan.xla_flops < plan.flops  # A loop's body once, per device.
+
+
+def test_a_plan_that_does_not_fit_names_the_remat_and_attention_that_would_help():
+  """The LM at 256 tokens a row: per-block remat and blockwise attention, each planned,
+  lower the peak; both together fit a memory the plain step does not."""
+  from trainer.plan import planned_remedies, remedies
+  config = tiny_lm_config("data_parallel", **{"seq_len": 256, "model.max_len": 256,
+                                               "model.num_layers": 4})
+  trainer = LanguageModelTrainer(config)
+  tokens = np.zeros((config.batch_size, config.seq_len), np.int32)
+  batch = lambda config: {"inputs": tokens, "targets": tokens}  # noqa: E731
+  plain = make_plan(trainer, batch(config))
+  flags = [f for f, _ in remedies(config, trainer.model)]
+  assert flags[0] == ("--config.remat.policy=nothing_saveable "
+                      "--config.remat.modules='(\"DecoderBlock\",)'")
+  assert flags[1] == "--config.attention.method=blockwise" and len(flags) == 3
+  both = config.copy_and_resolve_references()
+  both.update_from_flattened_dict(remedies(config, trainer.model)[2][1])
+  best = make_plan(LanguageModelTrainer(both), batch(both)).peak_bytes
+  memory = (best + plain.peak_bytes) // 2
+  lines = planned_remedies(LanguageModelTrainer, config, batch, device_memory=memory,
+                           peak=plain.peak_bytes)
+  assert len(lines) == 3 and lines[2].startswith(f"    {flags[2]}: peak ")
+  assert lines[2].endswith(", fits")  # Each one alone lowers the peak (else no line).
+  assert all(re.search(r"peak [\d,.]+ MiB \([\d.]+%\)", line) for line in lines)

@@ -21,13 +21,17 @@ shardings) for the given number of fake CPU devices (at LLVM's level 0:
 `CPU_PLAN_COMPILER_OPTIONS`): nothing is initialised, no data is read, no step runs. It
 prints per device the parameter, optimizer-state and other state bytes (from the
 shardings), the compiled step's argument, temporary (activations and workspace) and
-output bytes (`compiled.memory_analysis()`), its FLOPs (`compiled.cost_analysis()`), the
-collectives in its HLO, and the layout of the largest parameters (with a `stage` mesh
-axis, also the pipeline's schedule, its bubble fraction and which layers each stage
+output bytes (`compiled.memory_analysis()`), its FLOPs (the matrix products of every
+layer, counted in the step's trace as the run's MFU counts them,
+`trainer.throughput.StepFlops`; XLA's `cost_analysis()` counts a scanned layer stack's
+body once), the collectives in its HLO, and the layout of the largest parameters (with a
+`stage` mesh axis, also the pipeline's schedule, its bubble fraction and which layers each stage
 runs); then compares the peak with one device's memory (the `--device` row of
-`trainer.throughput.MEMORY_GIB`, or `--memory_gib`) and says whether the run fits. The
-compiled program is the CPU backend's: a GPU or TPU compiler fuses and schedules
-differently, so its temporaries are an estimate.
+`trainer.throughput.MEMORY_GIB`, or `--memory_gib`) and says whether the run fits. When
+it does not, it plans again with the settings that cut a step's temporaries (`remedies`:
+each repeated block rematerialised on its own, blockwise attention, both) and names
+each with its peak. The compiled program is the CPU backend's: a GPU or TPU compiler
+fuses and schedules differently, so its temporaries are an estimate.
 
 `make_plan(trainer, example_batch)` is the same for any Trainer.
 """
@@ -68,7 +72,10 @@ class Plan:
       `memory_analysis()` (temp: activations and workspace; alias: outputs written
       over donated inputs).
     peak_bytes: argument + output - alias + temp.
-    flops: the compiled step's FLOPs per device (`cost_analysis()`).
+    flops: the step's matrix-product FLOPs per device, every layer counted
+      (`trainer.throughput.StepFlops`, what the run's MFU divides).
+    xla_flops: XLA's `cost_analysis()` of the compiled program (per device; a loop's body,
+      such as a scanned layer stack's, counted once).
     collectives: op name -> count in the optimised HLO.
     collective_bytes: op name -> the bytes its results hold per device, summed over its
       instructions (an instruction in a loop's body counted once, as in `collectives`).
@@ -99,6 +106,7 @@ class Plan:
   #: `(weights, bytes per device, their bytes per device in bf16)` of a QLoRA run's quantized
   #: base (`config.lora.base_dtype`: codes and scales), or None.
   quantized: tuple[int, int, int] | None = None
+  xla_flops: float = 0.0
 
   @property
   def peak_bytes(self) -> int:
@@ -120,7 +128,8 @@ class Plan:
         f"  step outputs      {mib(self.output_bytes)} ({mib(self.alias_bytes)} written over "
         f"donated inputs)",
         f"  peak              {mib(self.peak_bytes)}",
-        f"  FLOPs per step    {self.flops:.4g}",
+        f"  FLOPs per step    {self.flops:.4g} (matrix products, every layer; "
+        f"{self.flops * self.num_devices:.4g} on all devices)",
         "  collectives       " + (", ".join(
             f"{n} x{c} ({mib(self.collective_bytes.get(n, 0))})"
             for n, c in self.collectives.items()) or "none"),
@@ -230,6 +239,9 @@ def make_plan(trainer: Any, example_batch: dict[str, np.ndarray], *,
   memory = compiled.memory_analysis()
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, list | tuple) else cost
+  from trainer.throughput import StepFlops
+  flops = StepFlops(trainer.compiled.train(abstract), lambda: (abstract, batch),
+                    num_devices=strategy.num_devices).per_device
   largest = [(keypath_str(path, drop_box=True), tuple(x.shape), getattr(x.sharding, "spec", None),
               shard_bytes(x)) for path, x in jax.tree_util.tree_leaves_with_path(abstract.params)]
   largest.sort(key=lambda row: -math.prod(row[1]))
@@ -249,9 +261,51 @@ def make_plan(trainer: Any, example_batch: dict[str, np.ndarray], *,
       other_state_bytes=_sum(abstract) - params_bytes - opt_bytes,
       argument_bytes=int(memory.argument_size_in_bytes),
       output_bytes=int(memory.output_size_in_bytes), temp_bytes=int(memory.temp_size_in_bytes),
-      alias_bytes=int(memory.alias_size_in_bytes), flops=float((cost or {}).get("flops", 0.0)),
+      alias_bytes=int(memory.alias_size_in_bytes), flops=float(flops or 0.0),
+      xla_flops=float((cost or {}).get("flops", 0.0)),
       collectives=count_collectives(hlo := compiled.as_text()), largest=largest[:top],
       device_memory=device_memory, pipeline=stages, collective_bytes=count_collective_bytes(hlo))
+
+
+def remedies(config, model) -> list[tuple[str, dict[str, Any]]]:
+  """The settings that cut a step's temporaries that `config` does not use yet, as
+  `(flags, overrides)`: each repeated block rematerialised on its own (the block's class
+  from the model's `REMAT_BLOCK`; remat with no modules checkpoints the whole forward pass
+  as one piece, which the backward pass recomputes at once, so the peak stays), blockwise
+  attention (for a model that calls `models.attention`), and both."""
+  import functools
+  cls = model.func if isinstance(model, functools.partial) else model
+  block = getattr(cls if isinstance(cls, type) else type(cls), "REMAT_BLOCK", None)
+  options = []
+  if block and block not in tuple(config.remat.modules):
+    options.append((f"--config.remat.policy=nothing_saveable --config.remat.modules="
+                    f"'(\"{block}\",)'",
+                    {"remat.policy": "nothing_saveable", "remat.modules": (block,)}))
+  if config.attention.method == "plain":
+    options.append(("--config.attention.method=blockwise", {"attention.method": "blockwise"}))
+  if len(options) == 2:
+    options.append((f"{options[0][0]} {options[1][0]}", {**options[0][1], **options[1][1]}))
+  return options
+
+
+def planned_remedies(trainer_cls, config, example_batch, *, device_memory: int,
+                     peak: int) -> list[str]:
+  """Each of `remedies` planned (a Trainer built and its step compiled with it): a line with
+  its peak, for those that lower `peak`."""
+  import ml_collections
+  lines = []
+  for flags, overrides in remedies(config, trainer_cls(config).model):
+    other = ml_collections.ConfigDict(config.to_dict())
+    other.update_from_flattened_dict(overrides)
+    try:
+      plan = make_plan(trainer_cls(other), example_batch(other), device_memory=device_memory)
+    except ValueError:  # A setting this model or layout refuses: no advice from it.
+      continue
+    if plan.peak_bytes < peak:
+      verdict = "fits" if plan.fits else "does NOT fit"
+      lines.append(f"    {flags}: peak {plan.peak_bytes / 2**20:,.2f} MiB "
+                   f"({100 * plan.peak_bytes / device_memory:.1f}%), {verdict}")
+  return lines
 
 
 def device_memory_bytes(device: str | None, memory_gib: float | None) -> int | None:
@@ -403,6 +457,16 @@ def main(argv) -> None:
   plan = make_plan(trainer, example_batch(config), device_memory=memory, generate=generate)
   print(f"{trainer_cls.__name__} ({spec})" + (f"; {note}" if note else ""))
   print(plan.report())
+  if plan.fits is False:
+    if config.remat.policy and not tuple(config.remat.modules):
+      print("  config.remat.modules=() checkpoints the whole forward pass as one piece: the "
+            "backward pass recomputes it at once, so the peak stays; name the repeated "
+            "block instead.")
+    lines = planned_remedies(trainer_cls, config, example_batch, device_memory=memory,
+                             peak=plan.peak_bytes)
+    print("\n".join(["  what lowers the peak (each planned):", *lines]) if lines else
+          "  no remat or attention setting lowers the peak: shard the state further "
+          "(config.strategy.logical_axis_rules) or use more devices.")
 
 
 def _define_flags():
