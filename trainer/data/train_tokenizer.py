@@ -1,5 +1,7 @@
 r"""Trains a byte-level BPE tokenizer on your own corpus: the `tokenizer.json` an LM run reads.
 
+As a command::
+
     python -m trainer.data.train_tokenizer --files='corpus/*.jsonl.gz' --vocab_size=8192 \
         --out=/tmp/my_tokenizer [--field=text] [--bos='<|bos|>' --eos='<|eos|>'] \
         [--noadd_bos] [--chat_template=chatml|llama3|template.jinja] [--min_frequency=2]
@@ -11,7 +13,7 @@ record's `--field` is a document. `tokenizers`' BPE trainer learns the merges ov
 EOS as special tokens. `--out` receives `tokenizer.json` and a `tokenizer_config.json`
 that names them (`add_bos_token`, and the chat template with its special tokens when
 `--chat_template` names one), as a Hugging Face model directory holds them; an LM run
-takes the directory:
+takes the directory::
 
     python examples/transformer_lm.py --config.data.tokenizer=/tmp/my_tokenizer \
         --config.model.vocab_size=8192 --config.data.sources='("corpus/*.jsonl.gz",)' ...
