@@ -111,3 +111,17 @@ def test_the_first_command_trains_one_epoch_as_the_docs_say():
   assert f"one epoch ({steps} steps of 128 images)" in " ".join(page.split())
   readme = " ".join((root / "README.md").read_text().split())
   assert re.search(r"about [\d.]+ minutes on a 2-core CPU", readme)
+
+
+def test_a_config_written_before_a_field_existed_reads_it_at_its_default(tmp_path):
+  """`trainer.generate` (and the harness) read a run's config.json over today's defaults:
+  an older run's file, without the fields added since, still builds its trainer."""
+  from configs import lm as lm_config
+  from trainer.generate import run_config
+  old = json.loads(lm_config.get_config().to_json())
+  del old["data"]["text_fields"], old["data"]["eval_text_fields"]
+  old["model"]["family"], old["custom"] = "llama", {"kept": 1}  # The run's own values.
+  (tmp_path / "config.json").write_text(json.dumps(old))
+  config = run_config(str(tmp_path), None, None)
+  assert tuple(config.data.text_fields) == () and tuple(config.data.eval_text_fields) == ()
+  assert config.model.family == "llama" and config.custom.kept == 1

@@ -87,14 +87,26 @@ def run_config(workdir: str | None, init_from: str | None, config_path: str | No
     config.init_from.path = init_from
     config.batch_size = config.eval_batch_size = 1
     return config
+  from configs import lm
   from trainer.export import run_config as read_json
   try:
     values = read_json(workdir, config_path)
   except ValueError as e:
     raise GenerateError(str(e).replace("the export", "generation")) from None
-  config = ml_collections.ConfigDict(values)
+  # Over today's defaults: a run written before a field existed reads it at its default.
+  config = ml_collections.ConfigDict(_merged(lm.get_config().to_dict(), values))
   config.init_from.update(path=workdir, rules=(), fresh=())
   return config
+
+
+def _merged(defaults: dict, values: dict) -> dict:
+  """`values` over `defaults`, section by section (a key only `values` has is kept)."""
+  out = dict(defaults)
+  for key, value in values.items():
+    inner = out.get(key)
+    out[key] = (_merged(inner, value) if isinstance(inner, dict) and isinstance(value, dict)
+                else value)
+  return out
 
 
 def build_trainer(config, *, step: int = -1, member: int = -1, strategy: str | None = None):
