@@ -120,8 +120,12 @@ def test_a_config_written_before_a_field_existed_reads_it_at_its_default(tmp_pat
   from trainer.generate import run_config
   old = json.loads(lm_config.get_config().to_json())
   del old["data"]["text_fields"], old["data"]["eval_text_fields"]
-  old["model"]["family"], old["custom"] = "llama", {"kept": 1}  # The run's own values.
+  old["model"] = {"family": "gpt2", "vocab_size": 64, "num_layers": 2, "embed_dim": 32,
+                  "num_heads": 4, "mlp_dim": 64, "max_len": 16}  # As an HF import writes it.
+  old["custom"] = {"kept": 1}  # A section of the run's own.
   (tmp_path / "config.json").write_text(json.dumps(old))
   config = run_config(str(tmp_path), None, None)
   assert tuple(config.data.text_fields) == () and tuple(config.data.eval_text_fields) == ()
-  assert config.model.family == "llama" and config.custom.kept == 1
+  assert config.custom.kept == 1
+  # The model is the file's alone: what it leaves out is its family's default.
+  assert config.model.to_dict() == old["model"]

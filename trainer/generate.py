@@ -94,7 +94,12 @@ def run_config(workdir: str | None, init_from: str | None, config_path: str | No
   except ValueError as e:
     raise GenerateError(str(e).replace("the export", "generation")) from None
   # Over today's defaults: a run written before a field existed reads it at its default.
-  config = ml_collections.ConfigDict(_merged(lm.get_config().to_dict(), values))
+  # The model is the file's alone: a field it leaves out is its family's default, not the
+  # example LM's.
+  merged = _merged(lm.get_config().to_dict(), values)
+  if "model" in values:
+    merged["model"] = values["model"]
+  config = ml_collections.ConfigDict(merged)
   config.init_from.update(path=workdir, rules=(), fresh=())
   return config
 
