@@ -133,11 +133,6 @@ FEW_STEPS_FOR_CONFIG = {"configs/mnist_study.py": ["--config.sweep.study.n_trial
 MADE_BY = {
     "/tmp/finetune": ".venv/bin/python examples/finetune_lm.py --workdir=/tmp/finetune",
     "/tmp/corpus": ".venv/bin/python examples/write_corpus.py --out=/tmp/corpus",
-    "/tmp/lm_corpus": (".venv/bin/python examples/transformer_lm.py --workdir=/tmp/lm_corpus "
-                       "--config.data.sources='(\"/tmp/corpus/train-*.jsonl.gz\",)' "
-                       "--config.data.eval_sources='(\"/tmp/corpus/valid.jsonl\",)' "
-                       "--config.data.tokenizer=/tmp/corpus --config.model.vocab_size=512 "
-                       "--config.model.family=llama"),
     "/tmp/my_tokenizer": (".venv/bin/python -m trainer.data.train_tokenizer "
                           "--files='/tmp/corpus/train-*.jsonl.gz' --vocab_size=1024 "
                           "--out=/tmp/my_tokenizer"),
@@ -216,6 +211,10 @@ def user_path() -> list[str]:
 
 def on_the_user_path(command: str) -> bool:
   return command in user_path()
+
+
+# The run the path's later commands read: the corpus guide's own training command.
+MADE_BY["/tmp/lm_corpus"] = next(c for c in user_path() if "--workdir=/tmp/lm_corpus" in c)
 
 
 def is_test_command(command: str) -> bool:

@@ -204,8 +204,8 @@ def test_a_plan_that_does_not_fit_names_the_remat_and_attention_that_would_help(
   both.update_from_flattened_dict(remedies(config, trainer.model)[2][1])
   best = make_plan(LanguageModelTrainer(both), batch(both)).peak_bytes
   memory = (best + plain.peak_bytes) // 2
-  lines = planned_remedies(LanguageModelTrainer, config, batch, device_memory=memory,
-                           peak=plain.peak_bytes)
+  lines = planned_remedies(LanguageModelTrainer, config, batch, model=trainer.model,
+                           device_memory=memory, peak=plain.peak_bytes)
   assert len(lines) == 3 and lines[2].startswith(f"    {flags[2]}: peak ")
   assert lines[2].endswith(", fits")  # Each one alone lowers the peak (else no line).
   assert all(re.search(r"peak [\d,.]+ MiB \([\d.]+%\)", line) for line in lines)

@@ -288,13 +288,13 @@ def remedies(config, model) -> list[tuple[str, dict[str, Any]]]:
   return options
 
 
-def planned_remedies(trainer_cls, config, example_batch, *, device_memory: int,
+def planned_remedies(trainer_cls, config, example_batch, *, model, device_memory: int,
                      peak: int) -> list[str]:
-  """Each of `remedies` planned (a Trainer built and its step compiled with it): a line with
-  its peak, for those that lower `peak`."""
+  """Each of `remedies` for `config` and its trainer's `model` planned (a Trainer built and
+  its step compiled with it): a line with its peak, for those that lower `peak`."""
   import ml_collections
   lines = []
-  for flags, overrides in remedies(config, trainer_cls(config).model):
+  for flags, overrides in remedies(config, model):
     other = ml_collections.ConfigDict(config.to_dict())
     other.update_from_flattened_dict(overrides)
     try:
@@ -462,8 +462,8 @@ def main(argv) -> None:
       print("  config.remat.modules=() checkpoints the whole forward pass as one piece: the "
             "backward pass recomputes it at once, so the peak stays; name the repeated "
             "block instead.")
-    lines = planned_remedies(trainer_cls, config, example_batch, device_memory=memory,
-                             peak=plan.peak_bytes)
+    lines = planned_remedies(trainer_cls, config, example_batch, model=trainer.model,
+                             device_memory=memory, peak=plan.peak_bytes)
     print("\n".join(["  what lowers the peak (each planned):", *lines]) if lines else
           "  no remat or attention setting lowers the peak: shard the state further "
           "(config.strategy.logical_axis_rules) or use more devices.")
