@@ -92,10 +92,12 @@ class StopOnSignal(Action):
     del frame
     if signum == signal.SIGINT and self.received is not None:
       stop_at_once()
+    # Noted before anything else runs: a second Ctrl-C can interrupt this very handler (Python
+    # runs a pending handler at the next bytecode), and must find the first one noted.
+    self.received = signum
     if signum == signal.SIGINT:
       logging.warning("Ctrl-C: the run stops after this step and saves a checkpoint; press "
                       "Ctrl-C again to stop at once, without saving.")
-    self.received = signum
 
   def begin(self, view: StepView) -> None:
     if jax.process_count() > 1:
