@@ -26,6 +26,7 @@ _EXPORTS = {
     "LanguageModelTrainer": "trainer.language_model",
     "NonFiniteError": "trainer.loop.driver",
     "PeriodicCallback": "trainer.loop.actions",
+    "PreferenceTrainer": "trainer.preference",
     "Produced": "trainer.loop.actions",
     "Recipe": "trainer.step.recipe",
     "StepTransform": "trainer.step.recipe",

@@ -61,7 +61,8 @@ from trainer.data.records import (
 DIRECTORY_ENDINGS = (".jsonl", ".jsonl.gz", ".parquet", ".array_record")
 BAD_RECORDS = ("stop", "skip")
 #: The kinds of bad record, as counted under `bad_records="skip"`.
-BAD_KINDS = ("malformed", "missing_field", "not_utf8", "empty", "schema", "missing_chat")
+BAD_KINDS = ("malformed", "missing_field", "not_utf8", "empty", "schema", "missing_chat",
+             "missing_pair", "empty_response", "too_long")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -228,9 +229,13 @@ class ShardIterator(grain.DatasetIterator):
 
   def __init__(self, source: TextSource, tokenizer: Tokenizer, *, length: int, shard: int,
                shards: int, seed: int, bad_records: str = "stop", shuffle: bool = True,
-               epochs: int | None = None, chat: dict | None = None):
+               epochs: int | None = None, chat: dict | None = None, encode=None):
     super().__init__()
     self.chat = chat  # Instruction records: `chat.messages_of`'s field names; None: text.
+    # Whole records made into examples by `encode(record) -> (bad kind or None, examples)`,
+    # whose `describe(kind)` words a bad record (preference pairs,
+    # `trainer.preference.data.PairEncoder`); None: text or instruction records.
+    self.encode = encode
     self.epochs = epochs  # None: endless; else StopIteration after that many passes.
     self.source, self.tokenizer, self.length = source, tokenizer, length
     self.shard, self.shards, self.seed, self.shuffle = shard, shards, seed, shuffle
@@ -253,7 +258,8 @@ class ShardIterator(grain.DatasetIterator):
 
   def _open(self):
     path = self._files(self._epoch)[self._file]
-    field = None if self.chat is not None else self.source.field  # None: the whole record.
+    whole = self.chat is not None or self.encode is not None
+    field = None if whole else self.source.field  # None: the whole record.
     self._reader = open_reader(path, field, pos=self._pos, record=self._record,
                                chat=self.chat is not None)
 
@@ -303,6 +309,8 @@ class ShardIterator(grain.DatasetIterator):
     """`(None, examples)` of a record's value, or `(bad kind, [])`."""
     if isinstance(value, BadRecord):
       return value.kind, []
+    if self.encode is not None:
+      return self.encode(value)
     if self.chat is not None:  # A conversation: the assistant turns' tokens weighed 1.
       from trainer.data.chat import messages_of
       messages = messages_of(value, **self.chat) if isinstance(value, dict) else None
@@ -326,7 +334,9 @@ class ShardIterator(grain.DatasetIterator):
             "missing_chat": f"has neither a {self.chat and self.chat['messages_field']!r} "
                             f"list of turns with an assistant turn nor text "
                             f"{self.chat and self.chat['prompt_field']!r} and "
-                            f"{self.chat and self.chat['response_field']!r} fields"}[kind]
+                            f"{self.chat and self.chat['response_field']!r} fields"}.get(kind)
+    if what is None:
+      what = self.encode.describe(kind)
     message = f"{path}: {unit} {record + 1} {what}"
     if self.bad_records == "stop":
       raise CorpusError(f"{message}. config.data.bad_records='stop'; set it to 'skip' to "

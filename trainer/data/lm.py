@@ -99,7 +99,10 @@ class Corpus:
                rows: slice = slice(None), lanes: int = 0, layout: str = "packed",
                bad_records: str = "stop", shuffle_files: bool = True, seed: int = 0,
                epochs: int | None = None, chat: dict | None = None, workers: int = 0,
-               worker_buffer: int = 2):
+               worker_buffer: int = 2, encode=None):
+    # Whole records each made into one row (`corpus.ShardIterator`'s `encode`: preference
+    # pairs), neither packed nor chunked; None: documents packed or chunked.
+    self.encode = encode
     self.epochs = epochs  # None: endless (training); 1: one pass (held-out data).
     self.chat = chat  # Instruction records (`chat.messages_of`'s field names), or None.
     self.sources, self.tokenizer = tuple(sources), tokenizer
@@ -137,7 +140,9 @@ class Corpus:
     examples = corpus_lib.shard_dataset(
         source, self.tokenizer, length=self.length, shard=lane, shards=self.lanes,
         seed=(self.seed, index), bad_records=self.bad_records, shuffle=self.shuffle_files,
-        epochs=self.epochs, chat=self.chat)
+        epochs=self.epochs, chat=self.chat, encode=self.encode)
+    if self.encode is not None:  # One row a record, already of the row's shape.
+      return examples
     lengths = {"inputs": self.length, "targets": self.length}
     if self.chat is not None:
       lengths[corpus_lib.WEIGHTS] = self.length

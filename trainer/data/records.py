@@ -89,14 +89,16 @@ class JsonLines:
 
 
 class ParquetRows:
-  """A Parquet file's `field` column from row `record`, one row group in memory."""
+  """A Parquet file's `field` column from row `record`, one row group in memory; `field`
+  None: each row whole, as a dict of its columns (preference records)."""
 
-  def __init__(self, path: str, field: str, record: int):
+  def __init__(self, path: str, field: str | None, record: int):
     import pyarrow.parquet as pq
 
     self.path, self.field = path, field
     self._file = pq.ParquetFile(path)
-    self.bad_schema = not has_text_column(self._file.schema_arrow, field)
+    self.bad_schema = field is not None and not has_text_column(self._file.schema_arrow,
+                                                                field)
     self.record = self.pos = record
     self._start, self._column = 0, None
     self._rows = self._file.metadata.num_rows
@@ -107,7 +109,11 @@ class ParquetRows:
       n = self._file.metadata.row_group(g).num_rows
       if row < start + n:
         self._start = start
-        self._column = self._file.read_row_group(g, columns=[self.field]).column(0).to_pylist()
+        if self.field is None:
+          self._column = self._file.read_row_group(g).to_pylist()
+        else:
+          self._column = self._file.read_row_group(g, columns=[self.field]).column(0
+                                                                                ).to_pylist()
         return
       start += n
 
@@ -165,7 +171,8 @@ class IndexedRecords:
 def open_reader(path: str, field: str | None, *, pos: int = 0, record: int = 0,
                 chat: bool = False):
   """The reader of `path`'s format from byte offset `pos` (JSONL) or record `record`;
-  `field` None: whole records (instruction data, JSONL and indexed formats only).
+  `field` None: whole records (instruction data: JSONL and indexed formats only;
+  preference records, `chat=False`: Parquet rows too).
 
   Raises:
     CorpusError: instruction records (`chat`) asked of a Parquet file.
