@@ -210,7 +210,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.sweep = ml_collections.ConfigDict()
   config.sweep.grid = ml_collections.ConfigDict()
   for name in ("learning_rate", "weight_decay", "momentum", "b1", "grad_clip_norm",
-               "warmup_steps", "ema_decay"):
+               "warmup_steps", "ema_decay", "beta"):
     config.sweep.grid[name] = ()
   config.sweep.points = ()
   config.sweep.seeds = ()
@@ -239,7 +239,7 @@ def get_config() -> ml_collections.ConfigDict:
   # name -> (low, high) per swept name explored (default: the sweep's smallest, largest).
   config.sweep.pbt.ranges = ml_collections.ConfigDict()
   for name in ("learning_rate", "weight_decay", "momentum", "b1", "grad_clip_norm",
-               "warmup_steps", "ema_decay"):
+               "warmup_steps", "ema_decay", "beta"):
     config.sweep.pbt.ranges[name] = ()
   # An Optuna study as the sweep's source of configurations (trainer/sweep/study.py): each
   # ensemble slot is one of the study's concurrent trials, asked from the sampler, pruned
@@ -249,7 +249,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.sweep.study = ml_collections.ConfigDict()
   config.sweep.study.space = ml_collections.ConfigDict()
   for name in ("learning_rate", "weight_decay", "momentum", "b1", "grad_clip_norm",
-               "warmup_steps", "ema_decay"):
+               "warmup_steps", "ema_decay", "beta"):
     config.sweep.study.space[name] = ()
   config.sweep.study.n_trials = 32  # Trials in the study, over every run that shares it.
   config.sweep.study.sampler = "tpe"  # tpe, random, cmaes, gp, qmc (seeded by config.seed).

@@ -33,7 +33,6 @@ the result as an HF model
 tokenizer), which `transformers.AutoModelForCausalLM.from_pretrained` loads.
 """
 
-import glob
 import json
 import os
 import sys
@@ -42,10 +41,21 @@ from absl import app, flags, logging
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from lm_setup import (  # noqa: E402, F401  (shared with examples/preference_lm.py)
+  CHAT_TOKENS,
+  CHATML,
+  ROOT,
+  documents,
+  read_text,
+  write_base_model,
+)
+from lm_setup import load_tokenizer as _load_tokenizer  # noqa: E402
+
 from trainer import config as config_lib  # noqa: E402  (no jax: safe before devices)
 from trainer.run import workdir as workdir_lib  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FLAGS = flags.FLAGS
 config_lib.define_config_file(os.path.join(ROOT, "configs", "finetune_lm.py"),
                               "Fine-tuning configuration (configs/finetune_lm.py:<variant>).")
@@ -69,47 +79,9 @@ flags.mark_flags_as_required(["workdir"])
 flags.register_validator("workdir", workdir_lib.flag_validator)
 
 
-def read_text(patterns) -> str:
-  """The text of every file the patterns match, in order, joined by blank lines."""
-  if not patterns:
-    patterns = [os.path.join(ROOT, "README.md"), os.path.join(ROOT, "docs", "**", "*.md")]
-  files = [f for p in patterns for f in sorted(glob.glob(p, recursive=True))]
-  if not files:
-    raise app.UsageError(f"--text={patterns} matches no file.")
-  texts = []
-  for path in files:
-    with open(path, encoding="utf-8") as f:
-      texts.append(f.read())
-  return "\n\n".join(texts)
-
-
-#: A ChatML template (Qwen2's form), added to a tokenizer trained here for instruction data.
-CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + "
-          "message['content'] + '<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt "
-          "%}{{ '<|im_start|>assistant\\n' }}{% endif %}")
-CHAT_TOKENS = ["<|im_start|>", "<|im_end|>"]
-
-
 def load_tokenizer(text: str, vocab_size: int, model_dir: str, workdir: str, chat: bool):
-  """The tokenizer (see the module docstring), with a byte-level decoder; a trained one
-  gets the chat tokens and template when `chat`."""
-  from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-  for path in (FLAGS.tokenizer, os.path.join(model_dir, "tokenizer.json")):
-    if path and os.path.isfile(path):
-      return Tokenizer.from_file(path), path
-  tokenizer = Tokenizer(models.BPE())
-  tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-  tokenizer.decoder = decoders.ByteLevel()
-  tokenizer.train_from_iterator(text.splitlines(), trainers.BpeTrainer(
-      vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-      special_tokens=CHAT_TOKENS if chat else [], show_progress=False))
-  path = os.path.join(workdir, "tokenizer.json")
-  tokenizer.save(path)
-  if chat:  # Where trainer.data reads the template and the special tokens.
-    with open(os.path.join(workdir, "tokenizer_config.json"), "w") as f:
-      json.dump({"eos_token": "<|im_end|>", "chat_template": CHATML}, f, indent=1)
-  return tokenizer, path
+  """`lm_setup.load_tokenizer` with `--tokenizer`."""
+  return _load_tokenizer(text, vocab_size, model_dir, workdir, chat, FLAGS.tokenizer)
 
 
 def write_data(text: str, directory: str, chat: bool) -> tuple[str, str]:
@@ -126,29 +98,6 @@ def write_data(text: str, directory: str, chat: bool) -> tuple[str, str]:
                 if chat else {"text": doc})
       (valid if i % 10 == 0 else train).write(json.dumps(record) + "\n")
   return paths[0], paths[1]
-
-
-def write_base_model(config, directory: str) -> None:
-  """A randomly initialised model of `config.model` in HF format (what a user would download)."""
-  import jax
-  import numpy as np
-
-  from trainer import LanguageModelTrainer
-  from trainer.checkpoint.init_from import variables_by_collection
-  from trainer.interop import hf
-  from trainer.language_model import model_fields
-
-  trainer = LanguageModelTrainer(config)
-  tokens = np.zeros((config.batch_size, config.seq_len), np.int32)  # Shapes for init.
-  init = trainer.steps.init_fn({"inputs": tokens, "targets": tokens})
-  params = jax.jit(lambda rng: init(rng).params)(jax.random.PRNGKey(config.seed))
-  values = variables_by_collection(jax.device_get(params), {}, linen=True)["params"]
-  hf.export(values, model_fields(**config.model.to_dict()), directory)  # Defaults filled.
-
-
-def documents(text: str) -> list[str]:
-  """The text's paragraphs (split at blank lines), the documents the train batches pack."""
-  return [p.strip() for p in text.split("\n\n") if p.strip()]
 
 
 def sample(trainer, state, tokenizer, prompts, *, tokens: int, seed: int = 0):

@@ -107,6 +107,9 @@ class Plan:
   #: base (`config.lora.base_dtype`: codes and scales), or None.
   quantized: tuple[int, int, int] | None = None
   xla_flops: float = 0.0
+  #: `(field, bytes per device)` of each train-state field in `other_state_bytes` holding
+  #: any (a preference run's `reference` copy, an EMA's `ema_params`).
+  other_parts: tuple[tuple[str, int], ...] = ()
 
   @property
   def peak_bytes(self) -> int:
@@ -122,7 +125,9 @@ class Plan:
         f"{self.strategy} on {self.num_devices} devices; per device (the fullest one):",
         f"  parameters        {mib(self.params_bytes)}",
         f"  optimizer state   {mib(self.opt_state_bytes)}",
-        f"  other state       {mib(self.other_state_bytes)}",
+        f"  other state       {mib(self.other_state_bytes)}" + (
+            " (" + ", ".join(f"{name} {mib(b)}" for name, b in self.other_parts) + ")"
+            if self.other_parts else ""),
         f"  step arguments    {mib(self.argument_bytes)} (state and batch)",
         f"  step temporaries  {mib(self.temp_bytes)} (activations, workspace)",
         f"  step outputs      {mib(self.output_bytes)} ({mib(self.alias_bytes)} written over "
@@ -210,6 +215,21 @@ def count_collective_bytes(hlo: str) -> dict[str, int]:
   return dict(totals)
 
 
+def _other_parts(state: Any) -> tuple[tuple[str, int], ...]:
+  """`(field, bytes per device)` of a train state's fields beyond its parameters and
+  optimizer state that hold any bytes."""
+  if not dataclasses.is_dataclass(state):
+    return ()
+  parts = []
+  for field in dataclasses.fields(state):
+    if field.name in ("params", "opt_state", "step", "rng", "apply_fn", "tx"):
+      continue
+    size = _sum(getattr(state, field.name))
+    if size:
+      parts.append((field.name, size))
+  return tuple(parts)
+
+
 def make_plan(trainer: Any, example_batch: dict[str, np.ndarray], *,
               device_memory: int | None = None, top: int = 5,
               generate: tuple[int, int] | None = None) -> Plan:
@@ -259,6 +279,7 @@ def make_plan(trainer: Any, example_batch: dict[str, np.ndarray], *,
       strategy=strategy.describe(), num_devices=strategy.num_devices,
       params_bytes=params_bytes, opt_state_bytes=opt_bytes,
       other_state_bytes=_sum(abstract) - params_bytes - opt_bytes,
+      other_parts=_other_parts(abstract),
       argument_bytes=int(memory.argument_size_in_bytes),
       output_bytes=int(memory.output_size_in_bytes), temp_bytes=int(memory.temp_size_in_bytes),
       alias_bytes=int(memory.alias_size_in_bytes), flops=float(flops or 0.0),

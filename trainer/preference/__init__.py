@@ -11,6 +11,7 @@
 `configs/preference.py` holds the fields; `examples/preference_lm.py` runs it.
 """
 
+from trainer.preference.data import example_batch
 from trainer.preference.trainer import PairOutputs, Preference, PreferenceTrainer
 
-__all__ = ["PairOutputs", "Preference", "PreferenceTrainer"]
+__all__ = ["PairOutputs", "Preference", "PreferenceTrainer", "example_batch"]

@@ -165,13 +165,14 @@ class PairEncoder:
     return None, [row]
 
 
-def check_config(config: ml_collections.ConfigDict) -> None:
-  """Raises for a `config.preference` data field the pipeline cannot take."""
+def check_config(config: ml_collections.ConfigDict, *, sources: bool = False) -> None:
+  """Raises for a `config.preference` data field the pipeline cannot take (and, with
+  `sources`, for no `config.data.sources`)."""
   spec = config.preference
   if spec.truncation not in TRUNCATIONS:
     raise ValueError(f"config.preference.truncation={spec.truncation!r} is not one of "
                      f"{TRUNCATIONS}.")
-  if not config.data.sources:
+  if sources and not config.data.sources:
     raise ValueError("config.data.sources is empty: preference training reads pairs from "
                      "JSONL or Parquet files ({prompt, chosen, rejected} records).")
   if config.data.chat:
@@ -192,7 +193,7 @@ def from_config(config: ml_collections.ConfigDict, rows: slice = slice(None),
                 shuffle_files: bool | None = None) -> lm.Corpus:
   """The pairs of `config.data.sources` (or `sources`), this process's `rows` of each
   batch, endless or `epochs` passes: what `fit` takes."""
-  check_config(config)
+  check_config(config, sources=sources is None)
   data = config.data
   run = ml_collections.ConfigDict(config.to_dict())
   with run.unlocked():
@@ -234,3 +235,16 @@ def eval_batches(config: ml_collections.ConfigDict) -> list[dict[str, np.ndarray
     raise ValueError(f"config.data.eval_sources={tuple(data.eval_sources)} hold fewer than "
                      f"one batch of config.eval_batch_size={config.eval_batch_size} pairs.")
   return batches
+
+
+def example_batch(config: ml_collections.ConfigDict) -> dict[str, np.ndarray]:
+  """One batch of the shapes a preference config trains on (`config.batch_size` pairs of
+  `config.seq_len` tokens, with stored reference log-probs under
+  `reference="precomputed"`): what the dry run (`python -m trainer.plan`) compiles."""
+  shape = (config.batch_size, 2, config.seq_len)
+  batch = {"inputs": np.zeros(shape, np.int32), "targets": np.zeros(shape, np.int32),
+           LOSS_WEIGHTS: np.ones(shape, np.float32), TARGET_MASK: np.ones(shape, np.float32),
+           COMPLETION_TOKENS: np.full(shape[:2], config.seq_len, np.float32)}
+  if config.preference.reference == "precomputed":
+    batch[REF_LOGPS] = np.zeros(shape[:2], np.float32)
+  return batch

@@ -33,17 +33,20 @@ from trainer.preference.data import REF_LOGPS
 from trainer.step.train_state import EmaTrainState
 
 CHOICES = ("auto", "copy", "adapters_off", "precomputed")
-#: The `model_state` entry through which the train and eval steps hand the copy to the loss.
-REFERENCE = "reference"
+#: The `model_state` entries through which the train and eval steps hand the copy, and a
+#: sweep's per-member beta, to the loss.
+REFERENCE, BETA = "reference", "preference_beta"
 #: Where a run keeps its precomputed reference log-probs.
 STORED_FILE = "reference_logps.npz"
 
 
 class PreferenceTrainState(EmaTrainState):
-  """A train state that also holds the reference's weights (`reference="copy"`); None (no
-  leaf) otherwise. An EMA of the parameters (`config.ema_decay`) is kept beside it."""
+  """A train state that also holds the reference's weights (`reference="copy"`), and under
+  a sweep the loss's beta as an array (each member's own); None (no leaf) otherwise. An
+  EMA of the parameters (`config.ema_decay`) is kept beside them."""
 
   reference: Any = None
+  beta: Any = None
 
 
 def choose(config) -> str:

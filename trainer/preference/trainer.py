@@ -48,6 +48,8 @@ class PairOutputs:
   token_logps: jax.Array
   ref_logps: jax.Array | None = None
   router: Any = None
+  #: A sweep member's beta (a scalar array); None: `config.preference.beta`.
+  beta: jax.Array | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,7 +132,8 @@ class PreferenceTrainer(LanguageModelTrainer):
     """The policy's per-token log-probs of both sequences (in eval mode, no dropout, unless
     `config.preference.dropout`), and the reference's per-sequence log-probs
     (`trainer.preference.reference`), without gradients."""
-    state = {k: v for k, v in model_state.items() if k != reference_lib.REFERENCE}
+    passed = (reference_lib.REFERENCE, reference_lib.BETA)
+    state = {k: v for k, v in model_state.items() if k not in passed}
     train = train and self.preference.dropout  # TRL's default: no dropout in the policy.
     token, router, new_state = self._sequence_logps(params, state, batch, rngs, train)
     choice, ref = self.preference.reference, None
@@ -146,15 +149,16 @@ class PreferenceTrainer(LanguageModelTrainer):
       ref = losses_lib.sequence_logps(ref_token, batch[LOSS_WEIGHTS])
     if ref is not None:
       ref = jax.lax.stop_gradient(ref)
-    if reference_lib.REFERENCE in model_state:
-      new_state = {**new_state, reference_lib.REFERENCE: model_state[reference_lib.REFERENCE]}
-    return PairOutputs(token, ref, router), new_state
+    new_state = {**new_state, **{k: model_state[k] for k in passed if k in model_state}}
+    beta = model_state[reference_lib.BETA] if reference_lib.BETA in model_state else None
+    return PairOutputs(token, ref, router, beta), new_state
 
   # -- The loss ------------------------------------------------------------------------
 
   def pair_terms(self, outputs: PairOutputs, batch: Batch) -> dict[str, jax.Array]:
     """Each pair's loss, rewards and log-probs (`[pairs]` each)."""
     p, weights = self.preference, batch[LOSS_WEIGHTS]
+    beta = p.beta if outputs.beta is None else outputs.beta  # Swept: per member.
     sums = losses_lib.sequence_logps(outputs.token_logps, weights)
     chosen, rejected = sums[:, 0], sums[:, 1]
     counts = jnp.maximum(weights.sum(axis=-1), 1.0)
@@ -162,16 +166,16 @@ class PreferenceTrainer(LanguageModelTrainer):
     if p.loss in losses_lib.WITH_REFERENCE:
       ref_chosen, ref_rejected = outputs.ref_logps[:, 0], outputs.ref_logps[:, 1]
       if p.loss == "sigmoid":
-        loss = losses_lib.sigmoid(chosen, rejected, ref_chosen, ref_rejected, beta=p.beta)
+        loss = losses_lib.sigmoid(chosen, rejected, ref_chosen, ref_rejected, beta=beta)
       else:
         tokens = batch[COMPLETION_TOKENS]
         loss = losses_lib.ipo(chosen, rejected, ref_chosen, ref_rejected,
                               chosen_tokens=tokens[:, 0], rejected_tokens=tokens[:, 1],
-                              beta=p.beta)
-      rewards = p.beta * (sums - outputs.ref_logps)
+                              beta=beta)
+      rewards = beta * (sums - outputs.ref_logps)
     elif p.loss == "simpo":
-      loss = losses_lib.simpo(means[:, 0], means[:, 1], beta=p.beta, gamma=p.simpo_gamma)
-      rewards = p.beta * means
+      loss = losses_lib.simpo(means[:, 0], means[:, 1], beta=beta, gamma=p.simpo_gamma)
+      rewards = beta * means
     else:  # ORPO: the chosen sequence's NLL over all its targets, the prompt's too.
       real = batch[TARGET_MASK][:, 0]
       nll = -(outputs.token_logps[:, 0] * real).sum(axis=-1)
@@ -215,20 +219,23 @@ class PreferenceTrainer(LanguageModelTrainer):
     state = super().create_train_state(params=params, model_state=model_state, rng=rng)
     fields = {f.name: getattr(state, f.name) for f in dataclasses.fields(state) if f.init}
     reference = params if self.preference.reference == "copy" else None
-    return reference_lib.PreferenceTrainState(**fields, reference=reference)
+    beta = jnp.asarray(self.preference.beta, jnp.float32) if self.sweep is not None else None
+    return reference_lib.PreferenceTrainState(**fields, reference=reference, beta=beta)
 
   def _with_reference(self, state):
-    if self.preference.reference != "copy":
-      return state
-    return state.replace(model_state={**state.model_state,
-                                      reference_lib.REFERENCE: state.reference})
+    """The state, its model state also holding the reference copy and a sweep's beta."""
+    passed = {}
+    if state.reference is not None:
+      passed[reference_lib.REFERENCE] = state.reference
+    if state.beta is not None:
+      passed[reference_lib.BETA] = state.beta
+    return state.replace(model_state={**state.model_state, **passed}) if passed else state
 
   @staticmethod
   def _without_reference(state):
-    if reference_lib.REFERENCE not in state.model_state:
-      return state
+    passed = (reference_lib.REFERENCE, reference_lib.BETA)
     return state.replace(model_state={k: v for k, v in state.model_state.items()
-                                      if k != reference_lib.REFERENCE})
+                                      if k not in passed})
 
   def train_step(self, state, batch: Batch):
     """One update; the reference copy reaches the loss through the step's model state."""

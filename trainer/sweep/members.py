@@ -17,7 +17,12 @@ import numpy as np
 #: Swept name -> the config field it replaces per member.
 SWEPT = {"learning_rate": "learning_rate", "weight_decay": "weight_decay",
          "momentum": "momentum", "b1": "b1", "grad_clip_norm": "grad_clip_norm",
-         "warmup_steps": "schedule.warmup_steps", "ema_decay": "ema_decay"}
+         "warmup_steps": "schedule.warmup_steps", "ema_decay": "ema_decay",
+         "beta": "preference.beta"}
+#: Swept names of a setup's own section, each held in the train state as an array when
+#: swept (a preference loss's `beta`: `trainer.preference`); a config without the section
+#: cannot sweep them.
+SETUP_SWEPT = ("beta",)
 
 #: Why a name outside `SWEPT` cannot be swept, and what to do instead.
 NOT_SWEPT = ("a sweep trains every member in one compiled program, so it varies the optimizer's "
@@ -32,6 +37,29 @@ def _config_value(config: ml_collections.ConfigDict, field: str) -> Any:
   for part in field.split("."):
     node = node[part]
   return node
+
+
+def _has(config: ml_collections.ConfigDict, field: str) -> bool:
+  node = config
+  for part in field.split("."):
+    if part not in node:
+      return False
+    node = node[part]
+  return True
+
+
+def config_values(config: ml_collections.ConfigDict) -> dict[str, Any]:
+  """The config's value of each swept name its sections hold."""
+  return {name: _config_value(config, field) for name, field in SWEPT.items()
+          if _has(config, field)}
+
+
+def check_setup_names(config: ml_collections.ConfigDict, names) -> None:
+  """Raises for a swept name of a setup section (`SETUP_SWEPT`) the config lacks."""
+  for name in names:
+    if name in SETUP_SWEPT and not _has(config, SWEPT[name]):
+      raise ValueError(f"config.sweep sweeps {name!r}, which is config.{SWEPT[name]}: only a "
+                       f"config with that field (configs/preference.py) can sweep it.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +105,8 @@ class Sweep:
     values = self.members[i] if values is None else values
     out = ml_collections.ConfigDict(config.to_dict())
     for name, field in SWEPT.items():
+      if name not in values:
+        continue
       *parents, last = field.split(".")
       node = out
       for part in parents:
@@ -118,7 +148,8 @@ class Sweep:
       raise ValueError(f"config.sweep.mode={s.mode!r} must be 'min' or 'max'.")
     if not grid and not points and len(seeds) == 1 and not len(s.seeds):
       return None
-    base = {name: _config_value(config, field) for name, field in SWEPT.items()}
+    check_setup_names(config, [*grid, *(n for p in points for n in p)])
+    base = config_values(config)
     if grid:
       points = [dict(zip(grid, values, strict=True))
                 for values in itertools.product(*grid.values())]
@@ -131,7 +162,7 @@ class Sweep:
       raise ValueError("config.sweep sweeps ema_decay with a value of 0; every swept decay "
                        "must be in (0, 1), so that each member's single-model run keeps an "
                        "EMA too.")
-    varied = tuple(n for n in SWEPT if len({m[n] for m in members}) > 1)
+    varied = tuple(n for n in SWEPT if n in base and len({m[n] for m in members}) > 1)
     if len(seeds) > 1:
       varied += ("seed",)
     return cls(members, varied, scheduler=s.scheduler)
@@ -179,7 +210,8 @@ class StudySweep(Sweep):
   @classmethod
   def from_study_config(cls, config: ml_collections.ConfigDict) -> StudySweep:
     s = config.sweep
-    base = {**{name: _config_value(config, field) for name, field in SWEPT.items()},
+    check_setup_names(config, [n for n in SWEPT if len(s.study.space[n])])
+    base = {**config_values(config),
             "seed": config.seed}
     n = max(int(s.study.n_trials), 1) if isinstance(s.study.n_trials, int) else 1
     varied = tuple(name for name in SWEPT if len(s.study.space[name]))
@@ -263,9 +295,9 @@ def check_member(m: Mapping[str, float]) -> None:
             "momentum": lambda v: 0 <= v < 1, "b1": lambda v: 0 <= v < 1,
             "grad_clip_norm": lambda v: v >= 0,
             "warmup_steps": lambda v: float(v).is_integer() and v >= 0,
-            "ema_decay": lambda v: 0 <= v < 1}
+            "ema_decay": lambda v: 0 <= v < 1, "beta": lambda v: v > 0}
   for name, ok in checks.items():
     if name in m and not ok(m[name]):
       raise ValueError(f"config.sweep value {name}={m[name]!r} is out of range (learning_rate "
                        f"> 0; weight_decay, grad_clip_norm >= 0; momentum, b1, ema_decay in "
-                       f"[0, 1); warmup_steps an integer >= 0).")
+                       f"[0, 1); warmup_steps an integer >= 0; beta > 0).")

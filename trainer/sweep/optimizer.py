@@ -151,6 +151,8 @@ def place_rows(state: PyTree, rows: Sequence[Mapping[str, float]],
   if getattr(state, "ema_decay", None) is not None:
     state = state.replace(ema_decay=_placed([row["ema_decay"] for row in rows],
                                             state.ema_decay))
+  if getattr(state, "beta", None) is not None:  # A preference loss's (trainer.preference).
+    state = state.replace(beta=_placed([row["beta"] for row in rows], state.beta))
   return state
 
 
