@@ -24,6 +24,9 @@ seconds (`--size smoke`, the default elsewhere):
   dense model (`moe.py`);
 - `generation`: the key/value-cache decoder against recomputing the window for every
   token, a GPT-2 of 12 x 768 (`generation.py`);
+- `preference`: a DPO step against a fine-tuning step on the same tokens, and each
+  reference's cost (a frozen copy, precomputed log-probs, SimPO's none, LoRA's adapters
+  off), a GPT-2 of 12 x 768 (`preference.py`);
 - `ensemble`: 4 members on one device, looped against `vmap`ped, against 4
   single-model steps (`ensemble_step_time.py --groups 4on1`).
 
@@ -99,6 +102,13 @@ STAGES = {
                 "--repeats", "2"],
         "smoke": ["generation.py", "--new", "4", "--batch", "2", "--prompt", "8", "--layers",
                   "1", "--embed", "64", "--vocab", "64", "--repeats", "1"],
+    },
+    "preference": {  # A DPO step against a fine-tuning step, and each reference's cost.
+        "gpu": ["preference.py", "--layers", "12", "--embed", "768", "--vocab", "32000",
+                "--seq", "512", "--pairs", "16", "--devices", "1", "--compute-dtype",
+                "bfloat16", "--steps", "10", "--repeats", "2"],
+        "smoke": ["preference.py", "--layers", "1", "--embed", "64", "--vocab", "64", "--seq",
+                  "32", "--pairs", "4", "--steps", "2", "--repeats", "1", "--devices", "2"],
     },
     "ensemble": {
         "gpu": ["ensemble_step_time.py", "--groups", "4on1", "--steps", "50"],

@@ -101,6 +101,11 @@ FEW_STEPS = {
     "examples/finetune_lm.py": ["--config.num_train_steps=2", "--config.log_every_steps=1",
                                 "--config.schedule.warmup_steps=0", "--samples=1",
                                 "--sample_tokens=2"],
+    "examples/preference_lm.py": ["--config.num_train_steps=2", "--config.log_every_steps=1",
+                                  "--config.schedule.warmup_steps=0"],
+    "benchmarks/preference.py": ["--layers", "1", "--embed", "64", "--vocab", "64", "--seq",
+                                 "32", "--pairs", "4", "--steps", "2", "--repeats", "1",
+                                 "--devices", "2", "--rows", "sft,dpo copy"],
     "trainer.export": [],  # Reads one checkpoint: seconds as written.
     "trainer.data.train_tokenizer": [],  # A 1024-token BPE on the docs' paragraphs: seconds.
     "benchmarks/hf_load.py": ["--layers", "1", "--embed", "64", "--vocab", "256"],
@@ -166,6 +171,9 @@ EXPECTED_OUTPUT = {
     "benchmarks/pipeline.py": r"^gpipe_m4\s+\d+\.\d{4}\s+\d+\.\d{2}x\s+42\.9%\s+\d",
     "examples/finetune_lm.py": r"^validation loss: before=\d+\.\d{4} after=\d+\.\d{4}",
     "trainer.export": r"^wrote \d+ tensors to \S+model\.safetensors",
+    "examples/preference_lm.py": (r"^held-out pairs \(\w+\): reward accuracy \d\.\d{3} -> "
+                                  r"\d\.\d{3}, margin -?\d+\.\d{4} -> -?\d+\.\d{4}"),
+    "benchmarks/preference.py": r"^dpo copy\s+\d+\.\d{4}\s+\d+\.\d{2}x\s+\d+\.\d{2}$",
     "trainer.data.train_tokenizer": r"^wrote a 1024-token byte-level BPE tokenizer trained on \d+ ",
     "trainer.generate": r"^\[0\] '(<\|bos\|>)?The tests make'\n  -> ['\"].*['\"]$",
     "trainer.harness": r"^docs_choice/acc: \d\.\d{4}$",

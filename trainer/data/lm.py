@@ -375,7 +375,8 @@ def check_state(state: Any, lanes: int) -> None:
 # -- From the config -------------------------------------------------------------------------
 
 
-def check_config(config: ml_collections.ConfigDict) -> list[TextSource]:
+def check_config(config: ml_collections.ConfigDict, *, schemas: bool = True
+                 ) -> list[TextSource]:
   """Raises for the first `config.data` field a corpus run cannot take (before any compute):
   a file that does not exist, a glob that matches none, weights that do not match the
   sources, a layout or policy not among those accepted. Returns the resolved sources
@@ -410,7 +411,7 @@ def check_config(config: ml_collections.ConfigDict) -> list[TextSource]:
                      f"automatic).")
   check_workers(data.workers, data.worker_buffer, lanes_for(config.batch_size, data.lanes))
   sources = resolve_sources(config)
-  for source in sources:
+  for source in sources if schemas else ():  # (Preference records check their own.)
     corpus_lib.check_schemas(source, data.bad_records)
   tokenizer_path(config)
   return sources

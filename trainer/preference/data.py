@@ -181,6 +181,23 @@ def check_config(config: ml_collections.ConfigDict, *, sources: bool = False) ->
                      "leave config.data.chat False.")
 
 
+def check_schemas(sources, config: ml_collections.ConfigDict) -> None:
+  """Reads each Parquet file's schema (its footer) before any compute: under
+  `bad_records="stop"` a file without the chosen and rejected columns is refused."""
+  from trainer.data.records import CorpusError, format_of
+  if config.data.bad_records != "stop":
+    return
+  import pyarrow.parquet as pq
+  spec = config.preference
+  for path in (f for s in sources for f in s.files if format_of(f) == "parquet"):
+    names = pq.read_schema(path).names
+    missing = [f for f in (spec.chosen_field, spec.rejected_field) if f not in names]
+    if missing:
+      raise CorpusError(f"{path}: no column {missing[0]!r} (its columns: {names}); every "
+                        f"file of preference pairs holds config.preference.chosen_field and "
+                        f"rejected_field. config.data.bad_records='stop'.")
+
+
 def encoder(config: ml_collections.ConfigDict, tokenizer: Tokenizer) -> PairEncoder:
   spec = config.preference
   return PairEncoder(tokenizer, length=config.seq_len, truncation=spec.truncation,
@@ -203,7 +220,8 @@ def from_config(config: ml_collections.ConfigDict, rows: slice = slice(None),
       run.data.lanes = lanes
     if batch_size is not None:
       run.batch_size = batch_size
-  resolved = lm.check_config(run)
+  resolved = lm.check_config(run, schemas=False)
+  check_schemas(resolved, config)
   tokenizer = Tokenizer(lm.tokenizer_path(run), add_bos=data.add_bos, add_eos=data.add_eos)
   if tokenizer.vocab_size > config.model.vocab_size:
     raise ValueError(f"the tokenizer {tokenizer.path} has {tokenizer.vocab_size} tokens but "

@@ -173,6 +173,7 @@ def precompute(trainer, state, train_batches: Callable[[int], Iterator], *, num_
     held = np.stack([of(b) for b in eval_batches]).astype(np.float32) if eval_batches else (
         np.zeros((0, 0, 2), np.float32))
     if path:
+      os.makedirs(workdir, exist_ok=True)
       tmp = path + ".tmp.npz"
       np.savez(tmp, train=table, eval=held)
       os.replace(tmp, path)
