@@ -211,3 +211,39 @@ def test_loss_rewards_and_gradients_equal_trl(loss, family, layout, models, reco
       assert any(np.abs(g).max() > 1e-4 for g in their_grads.values())
       for name, g in grads.items():
         close(g, their_grads[name], f"{where}: d loss / d {name}")
+
+
+def test_an_export_after_lora_dpo_loads_in_transformers_with_our_logits(models, records,
+                                                                        tmp_path):
+  """DPO on the Llama with LoRA adapters (the reference the base, adapters off), saved and
+  exported as any fine-tune is: `transformers` loads it and computes our logits."""
+  from trainer.checkpoint import Checkpointer
+  from trainer.export import export_checkpoint
+  from trainer.preference import PreferenceTrainer
+  from trainer.preference import data as pdata
+
+  config = our_config("sigmoid", "fsdp", models["llama"] / "policy", records["chat"][1])
+  config.update(optimizer="adamw", learning_rate=1e-2, num_train_steps=3)
+  config.lora.update(rank=4, alpha=8.0, targets=(".*self_attn/[qv]_proj/kernel",))
+  trainer = PreferenceTrainer(config)
+  assert trainer.preference.reference == "adapters_off"
+  workdir = str(tmp_path / "run")
+  checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), every_steps=0,
+                              async_save=False)
+  result = trainer.fit(pdata.from_config(config), num_steps=3, checkpointer=checkpointer)
+  checkpointer.close()
+  out = str(tmp_path / "hf")
+  export_checkpoint(workdir, out, config=config.to_dict())
+  loaded = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+  tokens = next(pdata.from_config(config)())["inputs"][:, 0]
+  with torch.no_grad():
+    theirs = loaded(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
+  canonical = trainer.strategy.to_canonical(result.state)
+  ours_logits = jax.jit(lambda p, s: trainer.model_variables.apply(
+      p, s, ((tokens,), {}), rngs={"dropout": jax.random.PRNGKey(0)}, train=False)[0])(
+          canonical.params, canonical.model_state)
+  before = transformers.AutoModelForCausalLM.from_pretrained(str(models["llama"] / "policy"))
+  with torch.no_grad():
+    start = before(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
+  assert np.abs(theirs - start).max() > 1e-3  # The adapters trained, and were merged.
+  np.testing.assert_allclose(np.asarray(ours_logits)[..., :pf.VOCAB], theirs, atol=1e-4)

@@ -83,6 +83,7 @@ def test_every_third_party_module_the_product_imports_is_declared():
   declared |= {canonicalize_name(Requirement(r).name) for extra in PRODUCT_EXTRAS
                for r in extras[extra]}
   ours = {"trainer", "strategies", "models", "configs", "examples", "__future__"}
+  ours |= {p.stem for p in (ROOT / "examples").glob("*.py")}  # Siblings an example imports.
   imported = {}
   for top in ("trainer", "strategies", "models", "configs", "examples"):
     for path in (ROOT / top).rglob("*.py"):

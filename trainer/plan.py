@@ -107,8 +107,7 @@ class Plan:
   #: base (`config.lora.base_dtype`: codes and scales), or None.
   quantized: tuple[int, int, int] | None = None
   xla_flops: float = 0.0
-  #: `(field, bytes per device)` of each train-state field in `other_state_bytes` holding
-  #: any (a preference run's `reference` copy, an EMA's `ema_params`).
+  #: `(field, bytes per device)` in `other_state_bytes` (a preference run's `reference`).
   other_parts: tuple[tuple[str, int], ...] = ()
 
   @property
@@ -121,13 +120,12 @@ class Plan:
 
   def report(self) -> str:
     mib = lambda b: f"{b / 2**20:,.2f} MiB"  # noqa: E731
+    parts = ", ".join(f"{name} {mib(b)}" for name, b in self.other_parts)
     lines = [
         f"{self.strategy} on {self.num_devices} devices; per device (the fullest one):",
         f"  parameters        {mib(self.params_bytes)}",
         f"  optimizer state   {mib(self.opt_state_bytes)}",
-        f"  other state       {mib(self.other_state_bytes)}" + (
-            " (" + ", ".join(f"{name} {mib(b)}" for name, b in self.other_parts) + ")"
-            if self.other_parts else ""),
+        f"  other state       {mib(self.other_state_bytes)}" + f" ({parts})" * bool(parts),
         f"  step arguments    {mib(self.argument_bytes)} (state and batch)",
         f"  step temporaries  {mib(self.temp_bytes)} (activations, workspace)",
         f"  step outputs      {mib(self.output_bytes)} ({mib(self.alias_bytes)} written over "
@@ -216,18 +214,10 @@ def count_collective_bytes(hlo: str) -> dict[str, int]:
 
 
 def _other_parts(state: Any) -> tuple[tuple[str, int], ...]:
-  """`(field, bytes per device)` of a train state's fields beyond its parameters and
-  optimizer state that hold any bytes."""
-  if not dataclasses.is_dataclass(state):
-    return ()
-  parts = []
-  for field in dataclasses.fields(state):
-    if field.name in ("params", "opt_state", "step", "rng", "apply_fn", "tx"):
-      continue
-    size = _sum(getattr(state, field.name))
-    if size:
-      parts.append((field.name, size))
-  return tuple(parts)
+  """`(field, bytes per device)` of each other field of a train state holding any."""
+  sizes = {f.name: _sum(getattr(state, f.name)) for f in dataclasses.fields(state)
+           if f.name not in ("params", "opt_state", "step", "rng")}
+  return tuple((name, size) for name, size in sizes.items() if size)
 
 
 def make_plan(trainer: Any, example_batch: dict[str, np.ndarray], *,
@@ -277,9 +267,8 @@ def make_plan(trainer: Any, example_batch: dict[str, np.ndarray], *,
   return Plan(
       quantized=_quantized_bytes(abstract.params), generation=generation,
       strategy=strategy.describe(), num_devices=strategy.num_devices,
-      params_bytes=params_bytes, opt_state_bytes=opt_bytes,
+      params_bytes=params_bytes, opt_state_bytes=opt_bytes, other_parts=_other_parts(abstract),
       other_state_bytes=_sum(abstract) - params_bytes - opt_bytes,
-      other_parts=_other_parts(abstract),
       argument_bytes=int(memory.argument_size_in_bytes),
       output_bytes=int(memory.output_size_in_bytes), temp_bytes=int(memory.temp_size_in_bytes),
       alias_bytes=int(memory.alias_size_in_bytes), flops=float(flops or 0.0),
