@@ -43,6 +43,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import lm_setup  # noqa: E402
 from lm_setup import (  # noqa: E402, F401  (shared with examples/preference_lm.py)
   CHAT_TOKENS,
   CHATML,
@@ -68,13 +69,7 @@ flags.DEFINE_string("tokenizer", None, "A tokenizers tokenizer.json; default: th
 flags.DEFINE_integer("samples", 3, "Continuations to sample after training.")
 flags.DEFINE_integer("sample_tokens", 24, "Tokens per sampled continuation.")
 flags.DEFINE_integer("num_cpu_devices", 8, "Host devices to make on a CPU-only machine.")
-flags.DEFINE_list("harness_tasks", [], "lm-evaluation-harness tasks to run during training "
-                  "(every --config.log_every_steps and at the end; trainer.harness).")
-flags.DEFINE_string("harness_include_path", None, "A directory of harness task YAMLs.")
-flags.DEFINE_boolean("harness_builtin_tasks", True, "Also index the harness's built-in tasks.")
-flags.DEFINE_list("harness_prompts", ["The tests make", "A researcher"],
-                  "Prompts whose continuations go to the writers as text with the harness's "
-                  "results.")
+lm_setup.define_harness_flags(["The tests make", "A researcher"])
 flags.mark_flags_as_required(["workdir"])
 flags.register_validator("workdir", workdir_lib.flag_validator)
 
@@ -121,7 +116,6 @@ def main(argv):
 
 
 def finetune(config, workdir: str) -> None:
-  import shutil
 
   import ml_collections
 
@@ -129,7 +123,6 @@ def finetune(config, workdir: str) -> None:
   from trainer.checkpoint import Checkpointer
   from trainer.data import lm
   from trainer.distributed.devices import is_primary
-  from trainer.export import export_checkpoint
   from trainer.interop import hf
 
   os.makedirs(workdir, exist_ok=True)
@@ -175,13 +168,8 @@ def finetune(config, workdir: str) -> None:
     state = trainer.init_state(held_out[0])
     before = trainer.evaluate(state, held_out)["loss"]
     actions = [lm.CorpusMetrics(writer, every_steps=config.log_every_steps)]
-    if FLAGS.harness_tasks:  # Benchmark tasks on the training state (trainer.harness).
-      from trainer.harness import HarnessEval
-      actions.append(HarnessEval(
-          trainer, writer, FLAGS.harness_tasks, every_steps=config.log_every_steps,
-          tokenizer=tokenizer_path, include_path=FLAGS.harness_include_path,
-          builtin_tasks=FLAGS.harness_builtin_tasks, prompts=FLAGS.harness_prompts,
-          max_new_tokens=16))
+    # Benchmark tasks on the training state (trainer.harness), with --harness_tasks.
+    actions += lm_setup.harness_actions(trainer, writer, tokenizer_path, config.log_every_steps)
     result = trainer.fit(stream, num_steps=config.num_train_steps, checkpointer=checkpointer,
                          writer=writer, workdir=workdir, state=state if fresh else None,
                          actions=actions)
@@ -204,11 +192,7 @@ def finetune(config, workdir: str) -> None:
   for prompt, continuation in samples:
     print(f"--- ...{prompt[-60:]!r}\n+++ {continuation!r}")
   out = os.path.join(workdir, "hf")
-  names = export_checkpoint(workdir, out, config=config.to_dict())
-  shutil.copy(tokenizer_path, os.path.join(out, "tokenizer.json"))
-  settings = os.path.join(os.path.dirname(tokenizer_path), "tokenizer_config.json")
-  if os.path.isfile(settings):  # The chat template and special tokens go with the model.
-    shutil.copy(settings, os.path.join(out, "tokenizer_config.json"))
+  names = lm_setup.export_with_tokenizer(workdir, out, config, tokenizer_path)
   logging.info("exported %d tensors", len(names))
   print(f"exported to {out} (config.json, model.safetensors, tokenizer.json)")
 

@@ -6,7 +6,7 @@ import glob
 import json
 import os
 
-from absl import app
+from absl import app, flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -78,3 +78,42 @@ def write_base_model(config, directory: str) -> None:
 def documents(text: str) -> list[str]:
   """The text's paragraphs (split at blank lines), the documents the train batches pack."""
   return [p.strip() for p in text.split("\n\n") if p.strip()]
+
+
+def define_harness_flags(prompts: list[str]) -> None:
+  """The `--harness_*` flags: lm-evaluation-harness tasks run during training."""
+  flags.DEFINE_list("harness_tasks", [], "lm-evaluation-harness tasks to run during training "
+                    "(every --config.log_every_steps and at the end; trainer.harness).")
+  flags.DEFINE_string("harness_include_path", None, "A directory of harness task YAMLs.")
+  flags.DEFINE_boolean("harness_builtin_tasks", True, "Also index the harness's built-in "
+                       "tasks.")
+  flags.DEFINE_list("harness_prompts", prompts, "Prompts whose continuations go to the "
+                    "writers as text with the harness's results.")
+
+
+def harness_actions(trainer, writer, tokenizer_path: str, every_steps: int) -> list:
+  """`[trainer.harness.HarnessEval]` of the `--harness_*` flags ([] without tasks): the
+  tasks scored on the training state, in its layout, with a few generations."""
+  values = flags.FLAGS
+  if not values.harness_tasks:
+    return []
+  from trainer.harness import HarnessEval
+  return [HarnessEval(trainer, writer, values.harness_tasks, every_steps=every_steps,
+                      tokenizer=tokenizer_path, include_path=values.harness_include_path,
+                      builtin_tasks=values.harness_builtin_tasks,
+                      prompts=values.harness_prompts, max_new_tokens=16)]
+
+
+def export_with_tokenizer(source: str, out: str, config, tokenizer_path: str) -> list[str]:
+  """Exports the latest checkpoint of `source` (a workdir, or a sweep's `sweep_best`) as an
+  HF model in `out`, with the tokenizer's files (its chat template and special tokens go
+  with the model); returns the tensor names written."""
+  import shutil
+
+  from trainer.export import export_checkpoint
+  names = export_checkpoint(source, out, config=config.to_dict())
+  shutil.copy(tokenizer_path, os.path.join(out, "tokenizer.json"))
+  settings = os.path.join(os.path.dirname(tokenizer_path), "tokenizer_config.json")
+  if os.path.isfile(settings):
+    shutil.copy(settings, os.path.join(out, "tokenizer_config.json"))
+  return names

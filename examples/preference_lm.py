@@ -48,12 +48,7 @@ flags.DEFINE_list("pairs", None, "Preference files (JSONL or Parquet, globs): {p
 flags.DEFINE_list("text", None, "Text files (globs) the default pairs are made of; default: "
                   "the README and docs/**/*.md of this repository.")
 flags.DEFINE_integer("num_cpu_devices", 8, "Host devices to make on a CPU-only machine.")
-flags.DEFINE_list("harness_tasks", [], "lm-evaluation-harness tasks to run during training "
-                  "(every --config.log_every_steps and at the end; trainer.harness).")
-flags.DEFINE_string("harness_include_path", None, "A directory of harness task YAMLs.")
-flags.DEFINE_boolean("harness_builtin_tasks", True, "Also index the harness's built-in tasks.")
-flags.DEFINE_list("harness_prompts", ["The tests make"], "Prompts whose continuations go to "
-                  "the writers as text with the harness's results.")
+lm_setup.define_harness_flags(["The tests make"])
 flags.mark_flags_as_required(["workdir"])
 flags.register_validator("workdir", workdir_lib.flag_validator)
 
@@ -92,14 +87,12 @@ def held_out_rewards(trainer, state, held_out) -> dict[str, float]:
 
 
 def align(config, workdir: str) -> None:
-  import shutil
 
   import ml_collections
 
   from trainer import writers
   from trainer.checkpoint import Checkpointer
   from trainer.distributed.devices import is_primary
-  from trainer.export import export_checkpoint
   from trainer.interop import hf
   from trainer.preference import PreferenceTrainer
   from trainer.preference import data as pdata
@@ -148,13 +141,8 @@ def align(config, workdir: str) -> None:
     before = held_out_rewards(trainer, state, held_out) if held_out else None
     from trainer.data.corpus_metrics import CorpusMetrics
     actions = [CorpusMetrics(writer, every_steps=config.log_every_steps)]
-    if FLAGS.harness_tasks:  # Benchmark tasks on the policy during training.
-      from trainer.harness import HarnessEval
-      actions.append(HarnessEval(
-          trainer, writer, FLAGS.harness_tasks, every_steps=config.log_every_steps,
-          tokenizer=tokenizer_path, include_path=FLAGS.harness_include_path,
-          builtin_tasks=FLAGS.harness_builtin_tasks, prompts=FLAGS.harness_prompts,
-          max_new_tokens=16))
+    # Benchmark tasks on the training state (trainer.harness), with --harness_tasks.
+    actions += lm_setup.harness_actions(trainer, writer, tokenizer_path, config.log_every_steps)
     # Evaluated at config.eval_every_steps and at the end: a sweep's report compares its
     # members there (config.sweep.metric) and exports the best to <workdir>/sweep_best.
     result = trainer.fit(stream, num_steps=config.num_train_steps, checkpointer=checkpointer,
@@ -179,11 +167,7 @@ def align(config, workdir: str) -> None:
     with open(os.path.join(workdir, "sweep_best_config.json")) as f:
       print(f"sweep: best beta={json.load(f)['preference']['beta']:g} by held-out "
             f"{config.sweep.metric}")
-  names = export_checkpoint(source, out, config=config.to_dict())
-  shutil.copy(tokenizer_path, os.path.join(out, "tokenizer.json"))
-  settings = os.path.join(os.path.dirname(tokenizer_path), "tokenizer_config.json")
-  if os.path.isfile(settings):
-    shutil.copy(settings, os.path.join(out, "tokenizer_config.json"))
+  names = lm_setup.export_with_tokenizer(source, out, config, tokenizer_path)
   logging.info("exported %d tensors", len(names))
   print(f"exported to {out} (config.json, model.safetensors, tokenizer.json)")
 

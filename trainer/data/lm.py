@@ -468,14 +468,19 @@ def eval_batches(config) -> list[dict[str, np.ndarray]]:
     held_out.data.update(sources=tuple(data.eval_sources), weights=(), lanes=1,
                          shuffle_files=False, text_fields=tuple(data.eval_text_fields))
     held_out.batch_size = config.eval_batch_size
-  iterator = from_config(held_out, epochs=1)()
-  batches = []
-  for _ in range(data.eval_batches):
-    try:
-      batches.append(next(iterator))
-    except StopIteration:
-      break
+  return first_batches(from_config(held_out, epochs=1)(), config, "rows")
+
+
+def first_batches(iterator, config, what: str) -> list[dict[str, np.ndarray]]:
+  """Up to `config.data.eval_batches` batches of a finite held-out `iterator`.
+
+  Raises:
+    ValueError: it holds less than one batch (of `config.eval_batch_size` `what`).
+  """
+  import itertools
+  batches = list(itertools.islice(iterator, config.data.eval_batches))
   if not batches:
-    raise ValueError(f"config.data.eval_sources={tuple(data.eval_sources)} hold fewer than "
-                     f"one batch of config.eval_batch_size={config.eval_batch_size} rows.")
+    raise ValueError(f"config.data.eval_sources={tuple(config.data.eval_sources)} hold fewer "
+                     f"than one batch of config.eval_batch_size={config.eval_batch_size} "
+                     f"{what}.")
   return batches

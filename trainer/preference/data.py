@@ -241,18 +241,9 @@ def eval_batches(config: ml_collections.ConfigDict) -> list[dict[str, np.ndarray
   data = config.data
   if not data.eval_sources:
     return []
-  iterator = from_config(config, epochs=1, sources=data.eval_sources,
-                         batch_size=config.eval_batch_size, lanes=1, shuffle_files=False)()
-  batches = []
-  for _ in range(data.eval_batches):
-    try:
-      batches.append(next(iterator))
-    except StopIteration:
-      break
-  if not batches:
-    raise ValueError(f"config.data.eval_sources={tuple(data.eval_sources)} hold fewer than "
-                     f"one batch of config.eval_batch_size={config.eval_batch_size} pairs.")
-  return batches
+  return lm.first_batches(from_config(config, epochs=1, sources=data.eval_sources,
+                                      batch_size=config.eval_batch_size, lanes=1,
+                                      shuffle_files=False)(), config, "pairs")
 
 
 def example_batch(config: ml_collections.ConfigDict) -> dict[str, np.ndarray]:
