@@ -293,7 +293,7 @@ def test_a_field_that_cannot_be_swept_names_what_can_and_what_to_do(tmp_path):
                          "--config.sweep.grid.dropout_rate=0.1,0.2"], tmp_path)
   assert result.returncode == 1
   assert re.search(r"--config.sweep.grid.dropout_rate: 'dropout_rate' cannot be swept; the "
-                   r"names a sweep can vary are \['b1', 'ema_decay', 'grad_clip_norm', "
+                   r"names a sweep can vary are \['b1', 'beta', 'ema_decay', 'grad_clip_norm', "
                    r"'learning_rate', 'momentum', 'warmup_steps', 'weight_decay'\].*module "
                    r"hyperparameter.*one run per value", result.stderr), result.stderr[-3000:]
   assert "Traceback" not in result.stderr

@@ -26,10 +26,11 @@ SETUP_SWEPT = ("beta",)
 
 #: Why a name outside `SWEPT` cannot be swept, and what to do instead.
 NOT_SWEPT = ("a sweep trains every member in one compiled program, so it varies the optimizer's "
-             "settings (held in each member's optimizer state) and the seed, never what changes "
-             "the program: a module hyperparameter (a dropout rate, a width, the number of "
-             "layers) is swept with one run per value (e.g. --config.model.<field>=...), each "
-             "of which may sweep the optimizer's settings")
+             "settings (held in each member's optimizer state), a preference loss's beta (in "
+             "its train state) and the seed, never what changes the program: a module "
+             "hyperparameter (a dropout rate, a width, the number of layers) is swept with one "
+             "run per value (e.g. --config.model.<field>=...), each of which may sweep the "
+             "optimizer's settings")
 
 
 def _config_value(config: ml_collections.ConfigDict, field: str) -> Any:
