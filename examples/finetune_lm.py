@@ -117,28 +117,15 @@ def main(argv):
 
 def finetune(config, workdir: str) -> None:
 
-  import ml_collections
 
   from trainer import LanguageModelTrainer, writers
   from trainer.checkpoint import Checkpointer
   from trainer.data import lm
   from trainer.distributed.devices import is_primary
-  from trainer.interop import hf
 
   os.makedirs(workdir, exist_ok=True)
   text = "" if config.data.sources else read_text(FLAGS.text)
-  model_dir = config.init_from.path
-  if not model_dir:
-    model_dir = os.path.join(workdir, "base")
-    if not hf.is_hf_checkpoint(model_dir):
-      base = ml_collections.ConfigDict(config.to_dict())
-      base.lora.update(rank=0, targets=(), base_dtype="")
-      write_base_model(base, model_dir)
-      print(f"no --config.init_from.path: wrote a randomly initialised "
-            f"{config.model.family} in Hugging Face format to {model_dir}")
-  with config.unlocked():
-    config.init_from.path = model_dir
-    config.model = ml_collections.ConfigDict(hf.model_fields(model_dir))
+  model_dir = lm_setup.start_model(config, workdir)
   tokenizer, tokenizer_path = load_tokenizer(text or "\n", config.model.vocab_size, model_dir,
                                              workdir, config.data.chat)
   if tokenizer.get_vocab_size() > config.model.vocab_size:

@@ -117,3 +117,31 @@ def export_with_tokenizer(source: str, out: str, config, tokenizer_path: str) ->
   if os.path.isfile(settings):
     shutil.copy(settings, os.path.join(out, "tokenizer_config.json"))
   return names
+
+
+def start_model(config, workdir: str, section: str | None = None) -> str:
+  """`config.init_from.path`, or else a random base model of `config.model` written in HF
+  format to `<workdir>/base` (once); `config.model` and `init_from.path` set from it.
+  `section` is the post-training config's own (dropped for the plain LM that writes it)."""
+  import ml_collections
+
+  from configs import base as base_config
+  from trainer.interop import hf
+
+  model_dir = config.init_from.path
+  if not model_dir:
+    model_dir = os.path.join(workdir, "base")
+    if not hf.is_hf_checkpoint(model_dir):
+      base = ml_collections.ConfigDict(config.to_dict())
+      base.lora.update(rank=0, targets=(), base_dtype="")
+      if section is not None:
+        del base[section]
+      base.sweep = base_config.get_config().sweep  # One base model, whatever is swept.
+      base.trainer = "trainer.language_model:LanguageModelTrainer"
+      write_base_model(base, model_dir)
+      print(f"no --config.init_from.path: wrote a randomly initialised "
+            f"{config.model.family} in Hugging Face format to {model_dir}")
+  with config.unlocked():
+    config.init_from.path = model_dir
+    config.model = ml_collections.ConfigDict(hf.model_fields(model_dir))
+  return model_dir

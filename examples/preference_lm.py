@@ -88,33 +88,16 @@ def held_out_rewards(trainer, state, held_out) -> dict[str, float]:
 
 def align(config, workdir: str) -> None:
 
-  import ml_collections
 
   from trainer import writers
   from trainer.checkpoint import Checkpointer
   from trainer.distributed.devices import is_primary
-  from trainer.interop import hf
   from trainer.preference import PreferenceTrainer
   from trainer.preference import data as pdata
 
   os.makedirs(workdir, exist_ok=True)
   text = "" if (FLAGS.pairs or config.data.sources) else lm_setup.read_text(FLAGS.text)
-  model_dir = config.init_from.path
-  if not model_dir:
-    model_dir = os.path.join(workdir, "base")
-    if not hf.is_hf_checkpoint(model_dir):
-      base = ml_collections.ConfigDict(config.to_dict())
-      base.lora.update(rank=0, targets=(), base_dtype="")
-      del base["preference"]
-      from configs import base as base_config
-      base.sweep = base_config.get_config().sweep  # One base model, whatever is swept.
-      base.trainer = "trainer.language_model:LanguageModelTrainer"
-      lm_setup.write_base_model(base, model_dir)
-      print(f"no --config.init_from.path: wrote a randomly initialised "
-            f"{config.model.family} in Hugging Face format to {model_dir}")
-  with config.unlocked():
-    config.init_from.path = model_dir
-    config.model = ml_collections.ConfigDict(hf.model_fields(model_dir))
+  model_dir = lm_setup.start_model(config, workdir, "preference")
   _, tokenizer_path = lm_setup.load_tokenizer(text or "\n", config.model.vocab_size, model_dir,
                                               workdir, chat=False)
   with config.unlocked():

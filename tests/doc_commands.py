@@ -103,6 +103,7 @@ FEW_STEPS = {
                                 "--sample_tokens=2"],
     "examples/preference_lm.py": ["--config.num_train_steps=2", "--config.log_every_steps=1",
                                   "--config.schedule.warmup_steps=0"],
+    "examples/rl_lm.py": ["--config.num_train_steps=2", "--config.log_every_steps=1"],
     "benchmarks/preference.py": ["--layers", "1", "--embed", "64", "--vocab", "64", "--seq",
                                  "32", "--pairs", "4", "--steps", "2", "--repeats", "1",
                                  "--devices", "2", "--rows", "sft,dpo copy"],
@@ -173,6 +174,7 @@ EXPECTED_OUTPUT = {
     "trainer.export": r"^wrote \d+ tensors to \S+model\.safetensors",
     "examples/preference_lm.py": (r"^held-out pairs \(\w+\): reward accuracy \d\.\d{3} -> "
                                   r"\d\.\d{3}, margin -?\d+\.\d{4} -> -?\d+\.\d{4}"),
+    "examples/rl_lm.py": r"^held-out mean reward: before=\d\.\d{3} after=\d\.\d{3}",
     "benchmarks/preference.py": r"^dpo copy\s+\d+\.\d{4}\s+\d+\.\d{2}x\s+\d+\.\d{2}$",
     "trainer.data.train_tokenizer": r"^wrote a 1024-token byte-level BPE tokenizer trained on \d+ ",
     "trainer.generate": r"^\[0\] '(<\|bos\|>)?The tests make'\n  -> ['\"].*['\"]$",

@@ -62,7 +62,7 @@ DIRECTORY_ENDINGS = (".jsonl", ".jsonl.gz", ".parquet", ".array_record")
 BAD_RECORDS = ("stop", "skip")
 #: The kinds of bad record, as counted under `bad_records="skip"`.
 BAD_KINDS = ("malformed", "missing_field", "not_utf8", "empty", "schema", "missing_chat",
-             "missing_pair", "empty_response", "too_long")
+             "missing_pair", "empty_response", "too_long", "missing_prompt")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -2,15 +2,16 @@
 import path, run on the host on the decoded completions.
 
 A reward function takes keyword arguments and returns one finite number per completion,
-as TRL's reward functions do:
+as TRL's reward functions do::
 
     def correct_sum(*, prompts, completions, prompt_ids, completion_ids, **_):
-      return [1.0 if c.strip() == str(eval(p.rstrip("="))) else 0.0
-              for p, c in zip(prompts, completions)]
+      sums = [sum(map(int, p.rstrip("=").split("+"))) for p in prompts]
+      return [1.0 if c.strip() == str(s) else 0.0 for s, c in zip(sums, completions)]
 
 `prompts` and `completions` are lists of strings (a prompt repeated for each completion
 of its group), `prompt_ids` and `completion_ids` lists of token id lists. A config names
-each function as `"package.module:function"` (or `"package.module.function"`) with a
+each function as `"package.module:function"` (or `"package.module.function"`), or as
+`"path/to/file.py:function"` (a file, relative to the working directory), with a
 weight; the total reward is the weighted sum, and each function's mean is logged.
 """
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import importlib.util
 import math
 from collections.abc import Callable, Sequence
 
@@ -49,12 +51,12 @@ def load(specs: Sequence[str], weights: Sequence[float] = (), *,
                      f"{len(specs)} reward functions; give one per function, or none.")
   out = []
   for spec, weight in zip(specs, weights, strict=True):
-    module_name, sep, attr = spec.partition(":")
+    module_name, sep, attr = spec.rpartition(":")
     if not sep:
       module_name, _, attr = spec.rpartition(".")
     try:
-      fn = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError, ValueError) as e:
+      fn = getattr(_module(module_name), attr)
+    except (ImportError, AttributeError, ValueError, OSError) as e:
       raise ValueError(f"{where}: cannot import the reward function {spec!r} ({e}); name it "
                        f"as 'package.module:function', importable from the run.") from e
     if not callable(fn):
@@ -64,6 +66,24 @@ def load(specs: Sequence[str], weights: Sequence[float] = (), *,
       raise ValueError(f"{where}_weights: {weight!r} for {spec!r} must be a finite number.")
     out.append(Reward(spec, fn, float(weight)))
   return out
+
+
+def _module(name: str):
+  """A module by import path, or a `.py` file's (loaded once, named after its path)."""
+  if not name.endswith(".py"):
+    return importlib.import_module(name)
+  import os
+  import sys
+  path = os.path.abspath(name)
+  key = f"_reward_file_{abs(hash(path))}"
+  if key not in sys.modules:
+    spec = importlib.util.spec_from_file_location(key, path)
+    if spec is None or not os.path.isfile(path):
+      raise ImportError(f"no file {path}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    sys.modules[key] = module
+  return sys.modules[key]
 
 
 def score(rewards: Sequence[Reward], *, prompts: list[str], completions: list[str],

@@ -1,0 +1,105 @@
+"""Prompts through the corpus pipeline: one prompt a row, for RL's rollouts.
+
+A record holds a prompt (`config.rl.prompt_field`): text, tokenized as the corpus
+tokenizes (BOS where the model directory says `add_bos_token`, no EOS), or a list of
+turns rendered by the weights' chat template with the generation prompt. A row holds
+`prompt_ids` (`[config.rl.max_prompt_length]`, right-padded) and `prompt_lengths`. A
+record without the field, or whose prompt is longer than the row, is a bad record, named
+by file and line or skipped and counted (`config.data.bad_records`), as the corpus's are.
+The rows stream, mix and resume exactly on any number of processes as documents do
+(`trainer.data.lm`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import ml_collections
+import numpy as np
+
+from trainer.data import lm
+from trainer.data.corpus import Tokenizer
+
+PROMPT_IDS, PROMPT_LENGTHS = "prompt_ids", "prompt_lengths"
+
+
+class PromptEncoder:
+  """A prompt record as one row (`corpus.ShardIterator`'s `encode`)."""
+
+  def __init__(self, tokenizer: Tokenizer, *, length: int, field: str = "prompt"):
+    self.tokenizer, self.length, self.field = tokenizer, length, field
+    self.pad_id = tokenizer.eos_id if tokenizer.eos_id is not None else 0
+
+  def describe(self, kind: str) -> str:
+    return {"missing_prompt": f"has no prompt {self.field!r} (text, or a list of turns)",
+            "too_long": f"holds a prompt longer than config.rl.max_prompt_length="
+                        f"{self.length} tokens"}[kind]
+
+  def ids(self, prompt: Any) -> list[int] | None:
+    """A prompt's token ids (None: not a prompt)."""
+    if isinstance(prompt, str) and prompt:
+      ids = self.tokenizer.tokenizer.encode(prompt, add_special_tokens=False).ids
+      return ([self.tokenizer.bos_id] if self.tokenizer.add_bos else []) + ids
+    if isinstance(prompt, list) and prompt and all(
+        isinstance(m, Mapping) and isinstance(m.get("content"), str) for m in prompt):
+      text = self.tokenizer.chat_template().render(prompt, add_generation_prompt=True)
+      return self.tokenizer.tokenizer.encode(text, add_special_tokens=False).ids
+    return None
+
+  def __call__(self, record: Any) -> tuple[str | None, list[dict[str, np.ndarray]]]:
+    ids = self.ids(record.get(self.field)) if isinstance(record, Mapping) else None
+    if not ids:
+      return "missing_prompt", []
+    if len(ids) > self.length:
+      return "too_long", []
+    row = np.full((self.length,), self.pad_id, np.int32)
+    row[:len(ids)] = ids
+    return None, [{PROMPT_IDS: row, PROMPT_LENGTHS: np.int32(len(ids))}]
+
+
+def tokenizer_of(config: ml_collections.ConfigDict) -> Tokenizer:
+  return Tokenizer(lm.tokenizer_path(config), add_bos=config.data.add_bos,
+                   add_eos=config.data.add_eos)
+
+
+def from_config(config: ml_collections.ConfigDict, rows: slice = slice(None),
+                epochs: int | None = None, *, eval_set: bool = False) -> lm.Corpus:
+  """The prompts of `config.data.sources` (`eval_set`: of `eval_sources`, one pass in
+  order), this process's `rows` of each batch: what `fit` takes."""
+  data = config.data
+  run = ml_collections.ConfigDict(config.to_dict())
+  with run.unlocked():
+    if eval_set:
+      run.data.update(sources=tuple(data.eval_sources), weights=(), text_fields=(), lanes=1,
+                      shuffle_files=False)
+      run.batch_size = config.eval_batch_size
+  if not run.data.sources:
+    raise ValueError("config.data.sources is empty: RL reads its prompts from JSONL or "
+                     "Parquet files ({prompt: ...} records).")
+  resolved = lm.check_config(run, schemas=False)
+  tokenizer = tokenizer_of(config)
+  if tokenizer.vocab_size > config.model.vocab_size:
+    raise ValueError(f"the tokenizer {tokenizer.path} has {tokenizer.vocab_size} tokens but "
+                     f"config.model.vocab_size={config.model.vocab_size}.")
+  return lm.Corpus(resolved, tokenizer, length=config.seq_len, batch_size=run.batch_size,
+                   rows=rows, lanes=run.data.lanes, bad_records=data.bad_records,
+                   shuffle_files=run.data.shuffle_files, seed=config.seed,
+                   epochs=1 if eval_set else epochs,
+                   workers=data.workers if epochs is None and not eval_set else 0,
+                   worker_buffer=data.worker_buffer,
+                   encode=PromptEncoder(tokenizer, length=config.rl.max_prompt_length,
+                                        field=config.rl.prompt_field))
+
+
+def eval_batches(config: ml_collections.ConfigDict) -> list[dict[str, np.ndarray]]:
+  """Up to `config.data.eval_batches` batches of held-out prompts; [] without any."""
+  if not config.data.eval_sources:
+    return []
+  return lm.first_batches(from_config(config, eval_set=True)(), config, "prompts")
+
+
+def example_batch(config: ml_collections.ConfigDict) -> dict[str, np.ndarray]:
+  """One batch of prompts of the shapes an RL config trains on (the dry run's)."""
+  return {PROMPT_IDS: np.ones((config.batch_size, config.rl.max_prompt_length), np.int32),
+          PROMPT_LENGTHS: np.ones((config.batch_size,), np.int32)}

@@ -1,0 +1,326 @@
+"""`RLTrainer`: GRPO, Dr. GRPO and DAPO, each step's rollouts and updates in one program.
+
+A subclass of `LanguageModelTrainer`. Its batches are prompts (`trainer.rl.data`). One
+train step, compiled once under the training layout:
+
+1. rollout: each prompt repeated `num_generations` (G) times, completions drawn by the
+   project's `Generator` program from the current parameters, each row's key
+   `fold_in(fold_in(state.rng, step), row)`, so a rerun draws the same completions;
+2. rewards: the completions decoded and scored on the host (`jax.pure_callback`,
+   `trainer.rl.rewards`); advantages within each prompt's group (`trainer.rl.losses`);
+3. the completions' per-token log-probs under the current parameters (the "old"
+   policy's) and, with `beta > 0`, the reference's, by the function the update uses;
+4. `num_iterations` (μ) optimizer updates on those rollouts, each the Trainer's own
+   train step (`steps.train`), the loss `config.rl.loss`.
+
+The step counts as one (`state.step` advances by 1; the optimizer's own count by μ).
+Because the old log-probs and the first update's are one function of one state, the
+run is on-policy by construction; `on_policy_gap` (the largest difference between the
+two, per step) measures it. Eval is a rollout too: held-out prompts' mean reward, one
+greedy completion each.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from clu import metrics as clu_metrics
+
+from trainer.evaluation import MASK_KEY
+from trainer.language_model import LanguageModelTrainer
+from trainer.preference import reference as reference_lib
+from trainer.preference.losses import token_logps
+from trainer.rl import losses as losses_lib
+from trainer.rl import rewards as rewards_lib
+from trainer.rl.data import PROMPT_IDS, PROMPT_LENGTHS
+from trainer.trainer import Batch
+
+PyTree = Any
+#: The update batch's keys beyond `inputs` and `targets`.
+WEIGHTS, ADVANTAGES, OLD, REF, REWARD = ("completion_weights", "advantages", "old_logps",
+                                         "ref_logps", "rewards")
+
+
+@dataclasses.dataclass(frozen=True)
+class RL:
+  """`config.rl`, checked."""
+
+  loss: str
+  num_generations: int
+  num_iterations: int
+  beta: float
+  epsilon: float
+  epsilon_high: float
+  scale_rewards: str
+  max_prompt_length: int
+  max_completion_length: int
+  temperature: float
+  reference: str  # "copy", "adapters_off" or "none" (beta 0).
+
+  @classmethod
+  def from_config(cls, config: ml_collections.ConfigDict) -> RL:
+    """Raises:
+      ValueError: naming the field, the value and what is accepted.
+    """
+    if "rl" not in config:
+      raise ValueError("RLTrainer needs config.rl (configs/rl.py: rl_fields()).")
+    spec = config.rl
+
+    def number(name, ok, accepted):
+      value = spec[name]
+      if isinstance(value, bool) or not isinstance(value, int | float) or not ok(value):
+        raise ValueError(f"config.rl.{name}={value!r} must be {accepted}.")
+      return value
+
+    if spec.loss not in losses_lib.LOSSES:
+      raise ValueError(f"config.rl.loss={spec.loss!r} is not one of {losses_lib.LOSSES}.")
+    if spec.scale_rewards not in losses_lib.SCALES:
+      raise ValueError(f"config.rl.scale_rewards={spec.scale_rewards!r} is not one of "
+                       f"{losses_lib.SCALES}.")
+    g = number("num_generations", lambda v: isinstance(v, int) and v >= 2,
+               "an integer >= 2 (a group's advantages compare its completions)")
+    mu = number("num_iterations", lambda v: isinstance(v, int) and v >= 1, "an integer >= 1")
+    beta = number("beta", lambda v: v >= 0, "a number >= 0 (0: no KL, no reference)")
+    eps = number("epsilon", lambda v: v > 0, "a number > 0")
+    eps_high = spec.epsilon_high if spec.epsilon_high is not None else eps
+    if isinstance(eps_high, bool) or not isinstance(eps_high, int | float) or eps_high <= 0:
+      raise ValueError(f"config.rl.epsilon_high={eps_high!r} must be a number > 0 (None: "
+                       f"epsilon).")
+    temperature = number("temperature", lambda v: v > 0, "a number > 0 (rollouts sample)")
+    prompt = number("max_prompt_length", lambda v: isinstance(v, int) and v >= 1,
+                    "an integer >= 1")
+    completion = number("max_completion_length", lambda v: isinstance(v, int) and v >= 1,
+                        "an integer >= 1")
+    if prompt + completion > config.model.max_len:
+      raise ValueError(f"config.rl.max_prompt_length={prompt} + max_completion_length="
+                       f"{completion} = {prompt + completion} positions, more than the "
+                       f"model's config.model.max_len={config.model.max_len}.")
+    from strategies.context import CONTEXT_AXIS
+    from strategies.pipeline import STAGE_AXIS
+    axes = tuple(config.strategy.mesh_axes)
+    for axis in (STAGE_AXIS, CONTEXT_AXIS):
+      if axis in axes and config.strategy.name == "sharded_data_parallel":
+        raise ValueError(f"config.strategy.mesh_axes={axes}: RL generates its rollouts in "
+                         f"the train step, and the key/value cache cannot be split over the "
+                         f"{axis!r} axis; it runs under single_device or "
+                         f"sharded_data_parallel with data, fsdp and tensor axes.")
+    from trainer.sweep.members import Sweep
+    if Sweep.from_config(config) is not None:
+      raise ValueError("config.sweep with config.rl: an RL run trains one model; sweep it "
+                       "with one run per value.")
+    reference = "none"
+    if beta:
+      if spec.reference not in ("auto", "copy", "adapters_off"):
+        raise ValueError(f"config.rl.reference={spec.reference!r} is not one of ('auto', "
+                         f"'copy', 'adapters_off').")
+      lora = bool(config.lora.rank)
+      reference = spec.reference if spec.reference != "auto" else (
+          "adapters_off" if lora else "copy")
+      if reference == "adapters_off" and not lora:
+        raise ValueError("config.rl.reference='adapters_off' needs LoRA adapters "
+                         "(config.lora.rank > 0); without LoRA use 'copy'.")
+    return cls(spec.loss, g, mu, float(beta), float(eps), float(eps_high),
+               spec.scale_rewards, prompt, completion, float(temperature), reference)
+
+
+def _sanitize(name: str) -> str:
+  return "".join(c if c.isalnum() else "_" for c in name.split(":")[-1].split(".")[-1])
+
+
+class RLTrainer(LanguageModelTrainer):
+  """RL with verifiable rewards on `language_model(**config.model)` (module docstring).
+
+  Attributes:
+    rl: `config.rl`, checked before anything is built.
+    rewards: the reward functions `config.rl.rewards` names.
+  """
+
+  def __init__(self, config: ml_collections.ConfigDict, **kwargs):
+    self.rl = RL.from_config(config)  # Refused before any compute.
+    self.rewards = rewards_lib.load(tuple(config.rl.rewards), tuple(config.rl.reward_weights))
+    super().__init__(config, **kwargs)
+    from trainer.generation import Generator, Sampling
+    self.generator = Generator.from_trainer(self)
+    try:
+      self.generator.check_layout()
+    except ValueError as e:
+      raise ValueError(f"{e} RL generates its rollouts in the train step: it runs under "
+                       f"single_device or sharded_data_parallel (data, fsdp, tensor "
+                       f"axes).") from None
+    self._tokenizer = None
+    stop = self._eos_id()
+    self.sampling = Sampling(max_new_tokens=self.rl.max_completion_length,
+                             temperature=self.rl.temperature, top_k=config.rl.top_k,
+                             top_p=config.rl.top_p, stop_tokens=() if stop is None else (stop,),
+                             pad_id=0 if stop is None else stop)
+    self.metric_names = ("loss", "reward", *(f"reward_{_sanitize(r.name)}" for r in
+                                             self.rewards),
+                         "completion_length", "on_policy_gap", "kl")
+    self._metrics = clu_metrics.Collection.create(
+        **{n: clu_metrics.Average.from_output(n) for n in self.metric_names if n !=
+           "on_policy_gap"}, on_policy_gap=clu_metrics.LastValue.from_output("on_policy_gap"))
+
+  @property
+  def tokenizer(self):
+    """The run's tokenizer (`config.data.tokenizer`, else the model directory's), which
+    decodes the completions for the rewards."""
+    if self._tokenizer is None:
+      from trainer.rl.data import tokenizer_of
+      self._tokenizer = tokenizer_of(self.config)
+    return self._tokenizer
+
+  def _eos_id(self) -> int | None:
+    """The EOS id that ends a completion (None: no tokenizer named yet, as in a dry run)."""
+    if not (self.config.data.tokenizer or self.config.init_from.path):
+      return None
+    return self.tokenizer.eos_id
+
+  # -- The model's call --------------------------------------------------------------
+
+  def model_inputs(self, batch: Batch, *, train: bool, rngs) -> tuple[tuple, dict]:
+    """The update batch's tokens (a prompt batch's prompts, at init)."""
+    del train, rngs
+    return ((batch["inputs"] if "inputs" in batch else batch[PROMPT_IDS]),), {}
+
+  def logps(self, params, model_state, inputs, targets) -> jax.Array:
+    """Each target's log-prob under `params`: the one function the rollout's old log-probs,
+    the reference's and the update's come from."""
+    outputs, _ = self.apply_model(params, model_state, {"inputs": inputs},
+                                  rngs=self.step_rngs(jax.random.PRNGKey(0)), train=False)
+    logits = outputs.logits if hasattr(outputs, "logits") else outputs
+    return token_logps(logits, targets, self.config.model.vocab_size)
+
+  def loss(self, outputs, batch: Batch) -> jax.Array:
+    """Each completion's `config.rl.loss` (its mean over the batch is the loss)."""
+    return self._terms(outputs, batch)[0]
+
+  def _terms(self, outputs, batch):
+    rl = self.rl
+    logits = outputs.logits if hasattr(outputs, "logits") else outputs
+    logps = token_logps(logits, batch["targets"], self.config.model.vocab_size)
+    per_token = losses_lib.per_token_loss(
+        logps, batch[OLD], batch[ADVANTAGES], epsilon=rl.epsilon, epsilon_high=rl.epsilon_high,
+        ref_logps=batch.get(REF), beta=rl.beta)
+    mask = batch[WEIGHTS]
+    loss = losses_lib.per_sequence(per_token, mask, rl.loss,
+                                   max_completion_length=rl.max_completion_length)
+    return loss, logps, mask
+
+  def train_metrics(self, outputs, batch: Batch, loss: jax.Array):
+    _, logps, mask = self._terms(outputs, batch)
+    gap = jnp.max(jnp.abs(logps - batch[OLD]) * mask)
+    kl = jnp.zeros_like(loss)
+    if REF in batch:
+      delta = batch[REF] - logps
+      kl = ((jnp.exp(delta) - delta - 1.0) * mask).sum(-1) / jnp.maximum(mask.sum(-1), 1.0)
+    values = {"loss": loss, "reward": batch[REWARD], "completion_length": mask.sum(-1),
+              "on_policy_gap": gap, "kl": kl}
+    for i, r in enumerate(self.rewards):
+      values[f"reward_{_sanitize(r.name)}"] = batch["reward_each"][:, i]
+    return self._metrics.single_from_model_output(**values)
+
+  def tokens_per_example(self, batch: Batch) -> int:
+    """A prompt's tokens and its G completions' budget."""
+    return int(self.rl.max_prompt_length + self.rl.num_generations
+               * self.rl.max_completion_length)
+
+  # -- The state and its reference ------------------------------------------------------
+
+  def create_train_state(self, *, params: PyTree, model_state: PyTree, rng: jax.Array):
+    state = super().create_train_state(params=params, model_state=model_state, rng=rng)
+    fields = {f.name: getattr(state, f.name) for f in dataclasses.fields(state) if f.init}
+    return reference_lib.PreferenceTrainState(
+        **fields, reference=params if self.rl.reference == "copy" else None)
+
+  # -- The rollout -------------------------------------------------------------------------
+
+  def _host_rewards(self, prompt_ids, prompt_lengths, new, counts):
+    decode = self.tokenizer.tokenizer.decode_batch
+    prompt_ids, prompt_lengths = np.asarray(prompt_ids), np.asarray(prompt_lengths)
+    new, counts = np.asarray(new), np.asarray(counts)
+    prompts = [p[:n].tolist() for p, n in zip(prompt_ids, prompt_lengths, strict=True)]
+    completions = [c[:n].tolist() for c, n in zip(new, counts, strict=True)]
+    total, each = rewards_lib.score(
+        self.rewards, prompts=decode(prompts, skip_special_tokens=True),
+        completions=decode(completions, skip_special_tokens=True),
+        prompt_ids=prompts, completion_ids=completions)
+    return (np.asarray(total, np.float32),
+            np.asarray([each[r.name] for r in self.rewards], np.float32).T.reshape(
+                len(total), len(self.rewards)))
+
+  def rollout(self, state, batch: Batch, *, group: int, sampling) -> dict[str, jax.Array]:
+    """Completions of each prompt (`group` each), their rewards and the update's batch."""
+    prompts = jnp.repeat(batch[PROMPT_IDS], group, axis=0)
+    lengths = jnp.maximum(jnp.repeat(batch[PROMPT_LENGTHS], group, axis=0), 1)
+    rows, width = prompts.shape
+    step_key = jax.random.fold_in(state.rng, state.step)  # Row i: fold_in(step's key, i).
+    keys = jax.vmap(lambda i: jax.random.fold_in(step_key, i))(jnp.arange(rows))
+    new, counts, _ = self.generator.program(sampling)(
+        state, {"tokens": prompts, "lengths": lengths, "keys": keys})
+    shapes = (jax.ShapeDtypeStruct((rows,), jnp.float32),
+              jax.ShapeDtypeStruct((rows, len(self.rewards)), jnp.float32))
+    total, each = jax.pure_callback(self._host_rewards, shapes, prompts, lengths, new, counts)
+    # Each row: its prompt's tokens, then its completion's, then padding.
+    steps = new.shape[1]
+    position = jnp.arange(width + steps)[None]
+    in_prompt = position < lengths[:, None]
+    at = jnp.clip(position - lengths[:, None], 0, steps - 1)
+    tokens = jnp.where(in_prompt, jnp.take_along_axis(
+        prompts, jnp.clip(position, 0, width - 1), axis=1), jnp.where(
+            position - lengths[:, None] < counts[:, None],
+            jnp.take_along_axis(new, at, axis=1), self.sampling.pad_id))
+    target = position[:, 1:]
+    weights = ((target >= lengths[:, None]) & (target < (lengths + counts)[:, None])).astype(
+        jnp.float32)
+    return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], WEIGHTS: weights,
+            REWARD: total, "reward_each": each}
+
+  def _with_reference(self, state):
+    if state.reference is None:
+      return state
+    return state.replace(model_state={**state.model_state,
+                                      reference_lib.REFERENCE: state.reference})
+
+  def train_step(self, state, batch: Batch):
+    """One RL step: rollouts, rewards, old and reference log-probs, μ updates."""
+    rl = self.rl
+    out = jax.lax.stop_gradient(self.rollout(state, batch, group=rl.num_generations,
+                                             sampling=self.sampling))
+    update = dict(out)
+    update[ADVANTAGES] = losses_lib.group_advantages(out[REWARD], rl.num_generations,
+                                                     scale=rl.scale_rewards)
+    update[OLD] = jax.lax.stop_gradient(self.logps(state.params, state.model_state,
+                                                   out["inputs"], out["targets"]))
+    if rl.reference != "none":
+      weights = (state.reference if rl.reference == "copy"
+                 else reference_lib.adapters_off(state.params))
+      update[REF] = jax.lax.stop_gradient(self.logps(weights, state.model_state,
+                                                     out["inputs"], out["targets"]))
+    step = state.step
+    state, outputs = self.steps.train(state, update)
+    for _ in range(rl.num_iterations - 1):
+      state, _ = self.steps.train(state, update)
+    return state.replace(step=step + 1), outputs
+
+  def eval_step(self, state, batch: Batch):
+    """Held-out prompts' rewards: one greedy completion each."""
+    greedy = dataclasses.replace(self.sampling, temperature=0.0)
+    out = self.rollout(state, batch, group=1, sampling=greedy)
+    mask = batch[MASK_KEY]
+    values = {"reward": out[REWARD], **{f"reward_{_sanitize(r.name)}": out["reward_each"][:, i]
+                                        for i, r in enumerate(self.rewards)}}
+    collection = clu_metrics.Collection.create(
+        **{n: clu_metrics.Average.from_output(n) for n in values})
+    return self.strategy.merge_metrics_over_data(
+        collection.single_from_model_output(**values, mask=mask))
+
+  def predict_step(self, state, batch: Batch):
+    """Each held-out prompt's reward of its greedy completion."""
+    greedy = dataclasses.replace(self.sampling, temperature=0.0)
+    return self.strategy.whole_batch(self.rollout(state, batch, group=1, sampling=greedy)[
+        REWARD])
