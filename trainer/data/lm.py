@@ -435,15 +435,26 @@ def tokenizer_path(config) -> str:
   return path
 
 
-def from_config(config, rows: slice = slice(None), epochs: int | None = None) -> Corpus:
-  """The `Corpus` of `config.data` for this process's `rows`
-  (`trainer.strategy.process_slice(config.batch_size)`), endless or `epochs` passes."""
-  sources = check_config(config)
+def tokenizer_of(config) -> Tokenizer:
+  """The run's tokenizer (`tokenizer_path`, BOS/EOS as `config.data` says).
+
+  Raises:
+    ValueError: it holds more tokens than `config.model.vocab_size`.
+  """
   data = config.data
   tokenizer = Tokenizer(tokenizer_path(config), add_bos=data.add_bos, add_eos=data.add_eos)
   if "model" in config and tokenizer.vocab_size > config.model.vocab_size:
     raise ValueError(f"the tokenizer {tokenizer.path} has {tokenizer.vocab_size} tokens but "
                      f"config.model.vocab_size={config.model.vocab_size}.")
+  return tokenizer
+
+
+def from_config(config, rows: slice = slice(None), epochs: int | None = None) -> Corpus:
+  """The `Corpus` of `config.data` for this process's `rows`
+  (`trainer.strategy.process_slice(config.batch_size)`), endless or `epochs` passes."""
+  sources = check_config(config)
+  data = config.data
+  tokenizer = tokenizer_of(config)
   chat = None
   if data.chat:
     tokenizer.chat_template()  # Refused here if the model directory has none.

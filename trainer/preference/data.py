@@ -222,10 +222,7 @@ def from_config(config: ml_collections.ConfigDict, rows: slice = slice(None),
       run.batch_size = batch_size
   resolved = lm.check_config(run, schemas=False)
   check_schemas(resolved, config)
-  tokenizer = Tokenizer(lm.tokenizer_path(run), add_bos=data.add_bos, add_eos=data.add_eos)
-  if tokenizer.vocab_size > config.model.vocab_size:
-    raise ValueError(f"the tokenizer {tokenizer.path} has {tokenizer.vocab_size} tokens but "
-                     f"config.model.vocab_size={config.model.vocab_size}.")
+  tokenizer = lm.tokenizer_of(run)
   return lm.Corpus(resolved, tokenizer, length=config.seq_len, batch_size=run.batch_size,
                    rows=rows, lanes=run.data.lanes, bad_records=data.bad_records,
                    shuffle_files=data.shuffle_files if shuffle_files is None else shuffle_files,

@@ -63,17 +63,27 @@ def choose(config) -> str:
                      f"{CHOICES}.")
   if spec.loss not in WITH_REFERENCE:
     return "none"
-  lora = bool(config.lora.rank)
-  choice = spec.reference if spec.reference != "auto" else (
-      "adapters_off" if lora else "copy")
-  if choice == "adapters_off" and not lora:
-    raise ValueError("config.preference.reference='adapters_off' needs LoRA adapters to turn "
-                     "off (config.lora.rank > 0); without LoRA use 'copy' (a frozen copy of "
-                     "the weights) or 'precomputed'.")
+  choice = resolve(spec.reference, config, field="config.preference.reference",
+                   otherwise="'copy' (a frozen copy of the weights) or 'precomputed'")
   if choice == "copy" and config.lora.base_dtype:
     raise ValueError(f"config.preference.reference='copy' with a quantized base "
                      f"(config.lora.base_dtype={config.lora.base_dtype!r}): the base is the "
                      f"reference already; use 'adapters_off' (or 'precomputed').")
+  return choice
+
+
+def resolve(choice: str, config, *, field: str, otherwise: str) -> str:
+  """A reference choice made concrete: `"auto"` is `adapters_off` under LoRA, else `copy`.
+
+  Raises:
+    ValueError: `adapters_off` without LoRA, naming `field` and `otherwise`, what to use.
+  """
+  lora = bool(config.lora.rank)
+  if choice == "auto":
+    return "adapters_off" if lora else "copy"
+  if choice == "adapters_off" and not lora:
+    raise ValueError(f"{field}='adapters_off' needs LoRA adapters to turn off "
+                     f"(config.lora.rank > 0); without LoRA use {otherwise}.")
   return choice
 
 

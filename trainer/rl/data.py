@@ -58,11 +58,6 @@ class PromptEncoder:
     return None, [{PROMPT_IDS: row, PROMPT_LENGTHS: np.int32(len(ids))}]
 
 
-def tokenizer_of(config: ml_collections.ConfigDict) -> Tokenizer:
-  return Tokenizer(lm.tokenizer_path(config), add_bos=config.data.add_bos,
-                   add_eos=config.data.add_eos)
-
-
 def from_config(config: ml_collections.ConfigDict, rows: slice = slice(None),
                 epochs: int | None = None, *, eval_set: bool = False) -> lm.Corpus:
   """The prompts of `config.data.sources` (`eval_set`: of `eval_sources`, one pass in
@@ -78,10 +73,7 @@ def from_config(config: ml_collections.ConfigDict, rows: slice = slice(None),
     raise ValueError("config.data.sources is empty: RL reads its prompts from JSONL or "
                      "Parquet files ({prompt: ...} records).")
   resolved = lm.check_config(run, schemas=False)
-  tokenizer = tokenizer_of(config)
-  if tokenizer.vocab_size > config.model.vocab_size:
-    raise ValueError(f"the tokenizer {tokenizer.path} has {tokenizer.vocab_size} tokens but "
-                     f"config.model.vocab_size={config.model.vocab_size}.")
+  tokenizer = lm.tokenizer_of(config)
   return lm.Corpus(resolved, tokenizer, length=config.seq_len, batch_size=run.batch_size,
                    rows=rows, lanes=run.data.lanes, bad_records=data.bad_records,
                    shuffle_files=run.data.shuffle_files, seed=config.seed,

@@ -118,12 +118,8 @@ class RL:
       if spec.reference not in ("auto", "copy", "adapters_off"):
         raise ValueError(f"config.rl.reference={spec.reference!r} is not one of ('auto', "
                          f"'copy', 'adapters_off').")
-      lora = bool(config.lora.rank)
-      reference = spec.reference if spec.reference != "auto" else (
-          "adapters_off" if lora else "copy")
-      if reference == "adapters_off" and not lora:
-        raise ValueError("config.rl.reference='adapters_off' needs LoRA adapters "
-                         "(config.lora.rank > 0); without LoRA use 'copy'.")
+      reference = reference_lib.resolve(spec.reference, config, field="config.rl.reference",
+                                        otherwise="'copy'")
     return cls(spec.loss, g, mu, float(beta), float(eps), float(eps_high),
                spec.scale_rewards, prompt, completion, float(temperature), reference)
 
@@ -170,7 +166,7 @@ class RLTrainer(LanguageModelTrainer):
     """The run's tokenizer (`config.data.tokenizer`, else the model directory's), which
     decodes the completions for the rewards."""
     if self._tokenizer is None:
-      from trainer.rl.data import tokenizer_of
+      from trainer.data.lm import tokenizer_of
       self._tokenizer = tokenizer_of(self.config)
     return self._tokenizer
 
@@ -279,12 +275,6 @@ class RLTrainer(LanguageModelTrainer):
         jnp.float32)
     return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], WEIGHTS: weights,
             REWARD: total, "reward_each": each}
-
-  def _with_reference(self, state):
-    if state.reference is None:
-      return state
-    return state.replace(model_state={**state.model_state,
-                                      reference_lib.REFERENCE: state.reference})
 
   def train_step(self, state, batch: Batch):
     """One RL step: rollouts, rewards, old and reference log-probs, μ updates."""
