@@ -9,8 +9,9 @@ r"""Reinforcement learning with verifiable rewards (examples/rl_lm.py).
 `trainer.rl.data`).
 
 Variants: `addition` (a 2-layer transformer from scratch on single-digit sums over a
-character vocabulary, the reward 1 for the right digit) and `finetuned` (an HF model,
-the fine-tune example's by default, on prompts of the docs, with LoRA adapters).
+character vocabulary, the reward 1 for the right digit), `sweep` (`addition` at four
+learning rates, one ensemble program: `trainer.sweep`) and `finetuned` (an HF model, the
+fine-tune example's by default, on prompts of the docs, with LoRA adapters).
 """
 
 import os
@@ -24,7 +25,7 @@ from configs import base, finetune_lm, lm
 TASKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples",
                      "rl_tasks.py")
 
-VARIANTS = ("addition", "finetuned")
+VARIANTS = ("addition", "sweep", "finetuned")
 
 
 def rl_fields() -> ml_collections.ConfigDict:
@@ -88,4 +89,13 @@ def get_config(variant: str = "addition") -> ml_collections.ConfigDict:
   config.schedule.name = "cosine"
   config.schedule.warmup_steps = 0
   config.checkpoint.every_steps = 0
+  if variant == "sweep":  # Members over the 'ensemble' axis, each one's prompts over 'data'.
+    config.strategy.name = "sharded_ensemble"
+    config.strategy.logical_axis_rules = ()
+    config.ensemble_size = 0  # The sweep's member count.
+    config.strategy.ensemble_mesh_shape = (4, -1)
+    config.sweep.grid.learning_rate = (3e-4, 1e-3, 3e-3, 1e-2)
+    config.sweep.metric = "reward"  # Held-out prompts' mean reward, compared at each eval.
+    config.sweep.mode = "max"
+    config.eval_every_steps = 100
   return config

@@ -9,6 +9,9 @@ r"""Reinforcement learning with verifiable rewards (GRPO, Dr. GRPO, DAPO) on a l
   character vocabulary the example writes with the 55 prompts into `<workdir>/task`
   (offline, `examples/rl_tasks.py`). It starts near chance (0.1); at G = 32 completions
   per prompt its mean reward passes 0.9 by about step 300 of the config's 400.
+- `sweep`: `addition` at four learning rates, the members one ensemble program
+  (`trainer.sweep`): each member's rollouts from its own parameters; the example prints
+  each member's held-out reward and the best learning rate (`<workdir>/sweep_best`).
 - `finetuned`: an HF model (`--config.init_from.path`, e.g. the fine-tune example's
   export; without one, a random GPT-2 written to `<workdir>/base`) with LoRA adapters,
   on prompts of this repository's docs (a paragraph's opening words), rewarded for
@@ -111,9 +114,12 @@ def train(config, workdir: str) -> None:
     state = trainer.init_state(next(stream()))
     before = trainer.evaluate(state, held_out)["reward"]
     actions = lm_setup.harness_actions(trainer, writer, tokenizer_path, config.log_every_steps)
+    # A sweep's report compares its members' held-out reward at each evaluation
+    # (config.sweep.metric) and exports the best to <workdir>/sweep_best.
     result = trainer.fit(stream, num_steps=config.num_train_steps, checkpointer=checkpointer,
                          writer=writer, workdir=workdir, state=state if fresh else None,
-                         actions=actions)
+                         actions=actions, eval_batches=(
+                             (lambda: held_out) if trainer.sweep is not None else None))
   finally:
     checkpointer.close()
     writer.close()
@@ -122,7 +128,14 @@ def train(config, workdir: str) -> None:
     return
   print(f"held-out mean reward: before={before:.3f} after={after:.3f} "
         f"({config.num_train_steps} steps of {config.batch_size} prompts x "
-        f"{config.rl.num_generations} completions, {config.rl.loss})")
+        f"{config.rl.num_generations} completions, {config.rl.loss}"
+        f"{', the members mean' if trainer.sweep is not None else ''})")
+  if trainer.sweep is not None:
+    for i, values in enumerate(trainer.evaluator.evaluate_members(result.state, held_out)):
+      print(f"member {trainer.sweep.label(i)}: held-out mean reward {values['reward']:.3f}")
+    with open(os.path.join(workdir, "sweep_best_config.json")) as f:
+      print(f"sweep: best learning_rate={json.load(f)['learning_rate']:g} by held-out "
+            f"{config.sweep.metric}")
   if config.model.family in families.FAMILIES:
     out = os.path.join(workdir, "hf")
     lm_setup.export_with_tokenizer(workdir, out, config, tokenizer_path)

@@ -146,26 +146,100 @@ def test_it_learns_single_digit_addition(task):
   assert before < 0.2 and after >= 0.9, (before, after)
 
 
-def test_a_resumed_run_draws_the_same_rollouts_and_ends_bitwise_equal(task, tmp_path):
+def _resume_run(workdir, out, log, *extra):
+  import subprocess
+  import sys
+  return subprocess.run([sys.executable, str(ROOT / "tests" / "rl_resume_run.py"),
+                         f"--workdir={workdir}", f"--out={out}", *extra],
+                        env={**__import__("os").environ, "RL_ROLLOUT_LOG": str(log)},
+                        capture_output=True, text=True, timeout=600)
+
+
+def test_a_run_killed_between_checkpoints_redraws_its_rollouts_and_ends_bitwise_equal(
+    tmp_path):
+  """SIGKILLed after steps 3 and 5 (checkpoints every 2), rerun each time: every attempt's
+  rollouts are the uninterrupted run's from the step it resumed at, and the final state is
+  the uninterrupted run's, bit for bit."""
+  import json
+  import signal
+
+  def rollouts(log):
+    return [json.loads(line) for line in open(log)]
+
+  straight = _resume_run(tmp_path / "straight", tmp_path / "straight.npz", tmp_path / "s.log")
+  assert straight.returncode == 0, straight.stderr[-3000:]
+  want = rollouts(tmp_path / "s.log")
+  assert len(want) == 6 and len({json.dumps(r) for r in want}) == 6  # A new draw each step.
+  work, out = tmp_path / "work", tmp_path / "final.npz"
+  for attempt, (kill_at, resumed_at) in enumerate([(3, 0), (5, 2), (-1, 4)]):
+    log = tmp_path / f"attempt{attempt}.log"
+    run = _resume_run(work, out, log, f"--kill_at={kill_at}")
+    if kill_at > 0:
+      assert run.returncode == -signal.SIGKILL, run.stderr[-3000:]
+    else:
+      assert run.returncode == 0, run.stderr[-3000:]
+    if resumed_at:
+      assert f"Resuming at step {resumed_at}" in run.stderr
+    got = rollouts(log)  # Killed at S: steps resumed_at + 1 .. S drawn (a later one may be).
+    assert len(got) >= (kill_at if kill_at > 0 else 6) - resumed_at
+    assert got == want[resumed_at:resumed_at + len(got)], attempt
+  a, b = np.load(tmp_path / "straight.npz"), np.load(out)
+  assert sorted(a) == sorted(b)
+  for key in a:
+    np.testing.assert_array_equal(a[key], b[key], err_msg=key)  # Bit for bit.
+
+
+def test_a_sweep_over_the_learning_rate_trains_each_member_as_its_own_run(task):
+  """One ensemble program (each member's prompts split over 4 data devices) ends where
+  each member's own single-device run ends: the same rollouts (a row's key is its index
+  in the global batch), the same updates. SGD: its update is linear in the gradient, so
+  the members' difference stays the gradients' float noise times the rate."""
   import jax
 
-  from trainer.checkpoint import Checkpointer
+  from trainer.rl import RLTrainer
+  from trainer.rl import data as rl_data
+  rates = (0.1, 0.3)
+  config = rl_config(task, optimizer="sgd", **{
+      "strategy.name": "sharded_ensemble", "ensemble_size": 0,
+      "strategy.ensemble_mesh_shape": (2, -1), "strategy.logical_axis_rules": ()})
+  config.sweep.grid.learning_rate = rates
+  trainer = RLTrainer(config)
+  swept = trainer.fit(rl_data.from_config(config), num_steps=2)
+  members = jax.device_get(trainer.strategy.to_canonical(swept.state).params)
+  for i, rate in enumerate(rates):
+    single = rl_config(task, optimizer="sgd", learning_rate=rate)
+    result = RLTrainer(single).fit(rl_data.from_config(single), num_steps=2)
+    jax.tree.map(lambda m, s, i=i: np.testing.assert_allclose(m[i], s, rtol=1e-5, atol=1e-6),
+                 members, jax.device_get(result.state.params))
+
+
+def test_harness_tasks_run_on_the_policy_during_rl(task, monkeypatch):
+  """`trainer.harness.HarnessEval` as an action of an RL run under FSDP: lm-eval's tasks
+  scored on the policy in its layout, and a generation, at the run's end."""
+  pytest.importorskip("lm_eval")
+  from trainer.harness import HarnessEval
   from trainer.rl import RLTrainer
   from trainer.rl import data as rl_data
 
-  def run(workdir, steps, total=6):
-    config = rl_config(task, num_train_steps=total)
-    trainer = RLTrainer(config)
-    checkpointer = Checkpointer(str(workdir), every_steps=0, async_save=False)
-    result = trainer.fit(rl_data.from_config(config), num_steps=steps,
-                         checkpointer=checkpointer)
-    checkpointer.close()
-    return jax.device_get(result.state.params)
+  class Sink:
+    scalars, texts = {}, {}
 
-  straight = run(tmp_path / "straight", 6)
-  run(tmp_path / "stopped", 3)
-  resumed = run(tmp_path / "stopped", 6)
-  jax.tree.map(np.testing.assert_array_equal, resumed, straight)
+    def write_scalars(self, step, scalars):
+      self.scalars.update(scalars)
+
+    def write_texts(self, step, texts):
+      self.texts.update(texts)
+
+  config = rl_config(task, "fsdp")
+  trainer = RLTrainer(config)
+  monkeypatch.chdir(ROOT)  # The tasks' data files are relative to the repository's root.
+  sink = Sink()
+  action = HarnessEval(trainer, sink, ["docs_choice"], every_steps=100, tokenizer=task[1],
+                       include_path=str(ROOT / "examples" / "harness_tasks"),
+                       builtin_tasks=False, prompts=["3+4="], max_new_tokens=1)
+  trainer.fit(rl_data.from_config(config), num_steps=2, actions=[action])
+  assert 0.0 <= sink.scalars["harness/docs_choice/acc"] <= 1.0
+  assert sink.texts["harness/generations"].startswith("'3+4=' -> ")
 
 
 @pytest.mark.parametrize("overrides,match", [
@@ -180,8 +254,9 @@ def test_a_resumed_run_draws_the_same_rollouts_and_ends_bitwise_equal(task, tmp_
     ({"rl.rewards": ("examples/rl_tasks.py:nothing_here",)},
      r"cannot import the reward function 'examples/rl_tasks.py:nothing_here'"),
     ({"strategy.name": "pmap_data_parallel"}, r"RL generates its rollouts in the train step: "
-                                              r"it runs under single_device or "
-                                              r"sharded_data_parallel"),
+                                              r"it runs under single_device, "
+                                              r"sharded_data_parallel .* or, for a sweep, "
+                                              r"sharded_ensemble"),
     ({"strategy.name": "sharded_data_parallel", "strategy.mesh_axes": ("data", "stage"),
       "strategy.mesh_shape": (2, -1)}, r"cannot be split over the 'stage' axis; it runs under "
                                        r"single_device or sharded_data_parallel"),

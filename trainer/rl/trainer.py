@@ -109,10 +109,6 @@ class RL:
                          f"the train step, and the key/value cache cannot be split over the "
                          f"{axis!r} axis; it runs under single_device or "
                          f"sharded_data_parallel with data, fsdp and tensor axes.")
-    from trainer.sweep.members import Sweep
-    if Sweep.from_config(config) is not None:
-      raise ValueError("config.sweep with config.rl: an RL run trains one model; sweep it "
-                       "with one run per value.")
     reference = "none"
     if beta:
       if spec.reference not in ("auto", "copy", "adapters_off"):
@@ -142,12 +138,13 @@ class RLTrainer(LanguageModelTrainer):
     super().__init__(config, **kwargs)
     from trainer.generation import Generator, Sampling
     self.generator = Generator.from_trainer(self)
-    try:
-      self.generator.check_layout()
-    except ValueError as e:
-      raise ValueError(f"{e} RL generates its rollouts in the train step: it runs under "
-                       f"single_device or sharded_data_parallel (data, fsdp, tensor "
-                       f"axes).") from None
+    if config.strategy.name != "sharded_ensemble":  # A sweep: each member's step generates.
+      try:
+        self.generator.check_layout()
+      except ValueError as e:
+        raise ValueError(f"{e} RL generates its rollouts in the train step: it runs under "
+                         f"single_device, sharded_data_parallel (data, fsdp, tensor axes) "
+                         f"or, for a sweep, sharded_ensemble.") from None
     self._tokenizer = None
     stop = self._eos_id()
     self.sampling = Sampling(max_new_tokens=self.rl.max_completion_length,
@@ -254,13 +251,17 @@ class RLTrainer(LanguageModelTrainer):
     prompts = jnp.repeat(batch[PROMPT_IDS], group, axis=0)
     lengths = jnp.maximum(jnp.repeat(batch[PROMPT_LENGTHS], group, axis=0), 1)
     rows, width = prompts.shape
-    step_key = jax.random.fold_in(state.rng, state.step)  # Row i: fold_in(step's key, i).
-    keys = jax.vmap(lambda i: jax.random.fold_in(step_key, i))(jnp.arange(rows))
+    step_key = jax.random.fold_in(state.rng, state.step)  # Row i: fold_in(step's key, i),
+    ids = self.strategy.replica_rows(  # i the row's index in the global batch.
+        jnp.arange(rows * (self.strategy.num_data_replicas
+                           if self.strategy.step_sees_batch_shard else 1)))
+    keys = jax.vmap(lambda i: jax.random.fold_in(step_key, i))(ids)
     new, counts, _ = self.generator.program(sampling)(
         state, {"tokens": prompts, "lengths": lengths, "keys": keys})
     shapes = (jax.ShapeDtypeStruct((rows,), jnp.float32),
               jax.ShapeDtypeStruct((rows, len(self.rewards)), jnp.float32))
-    total, each = jax.pure_callback(self._host_rewards, shapes, prompts, lengths, new, counts)
+    total, each = jax.pure_callback(self._host_rewards, shapes, prompts, lengths, new, counts,
+                                    vmap_method="sequential")
     # Each row: its prompt's tokens, then its completion's, then padding.
     steps = new.shape[1]
     position = jnp.arange(width + steps)[None]

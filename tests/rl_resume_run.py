@@ -1,0 +1,81 @@
+"""An RL run (`configs/rl.py:addition`, tiny) with checkpoints, for the SIGKILL resume test.
+
+    RL_ROLLOUT_LOG=rollouts.jsonl python tests/rl_resume_run.py --workdir=W --out=final.npz \
+        [--kill_at=S]
+
+Trains 6 steps under FSDP on 8 host devices, checkpointing every 2 steps and resuming from
+`W/checkpoints` when it holds one; each step's rollouts (prompt and completion ids) are
+appended to `$RL_ROLLOUT_LOG` by a reward (`rl_rewards.recorded`). `--kill_at=S` SIGKILLs
+the process once step S is done (between checkpoints when S is odd). Writes the final
+state (checkpoint layout) to `--out`.
+"""
+
+import argparse
+import logging
+import os
+import signal
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [HERE, os.path.dirname(HERE), os.path.join(os.path.dirname(HERE), "examples")]
+
+import conftest  # noqa: E402,F401 -- sets the 8 fake devices before jax starts.
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import rl_tasks  # noqa: E402
+from resume_run import flat  # noqa: E402
+
+from trainer.checkpoint import Checkpointer  # noqa: E402
+from trainer.loop.actions import PeriodicCallback  # noqa: E402
+
+STEPS = 6
+
+
+def config_for(task_dir: str):
+  from configs import lm, rl
+  prompts, tokenizer = rl_tasks.write_addition(task_dir)
+  config = rl.get_config("addition")
+  config.data.update(sources=(prompts,), tokenizer=tokenizer, workers=0, lanes=1)
+  config.update(batch_size=8, num_train_steps=STEPS, log_every_steps=1000)
+  config.rl.num_generations = 4
+  config.rl.beta = 0.05  # The reference copy is checkpointed and restored too.
+  config.rl.rewards = (f"{rl.TASKS}:correct_sum", "rl_rewards:recorded")
+  shape, axes, rules = lm.LAYOUTS["fsdp"]
+  config.strategy.update(name="sharded_data_parallel", mesh_shape=shape, mesh_axes=axes,
+                         logical_axis_rules=rules)
+  return config
+
+
+def main():
+  parser = argparse.ArgumentParser()
+  parser.add_argument("--workdir", required=True)
+  parser.add_argument("--out", required=True)
+  parser.add_argument("--kill_at", type=int, default=-1)
+  args = parser.parse_args()
+  logging.getLogger().setLevel(logging.INFO)
+  for noisy in ("absl", "jax", "orbax"):
+    logging.getLogger(noisy).setLevel(logging.WARNING)
+  from trainer.rl import RLTrainer
+  from trainer.rl import data as rl_data
+  config = config_for(os.path.join(args.workdir, "task"))
+  trainer = RLTrainer(config)
+  checkpointer = Checkpointer(os.path.join(args.workdir, "checkpoints"), every_steps=2,
+                              async_save=False)
+
+  def kill(view):
+    if view.step == args.kill_at:
+      jax.block_until_ready(view.state)  # Step S's rollouts are drawn (and logged).
+      os.kill(os.getpid(), signal.SIGKILL)
+
+  try:
+    result = trainer.fit(rl_data.from_config(config), num_steps=STEPS,
+                         checkpointer=checkpointer, workdir=args.workdir,
+                         actions=[PeriodicCallback(kill, every_steps=1, reads_state=True)])
+  finally:
+    checkpointer.close()
+  np.savez(args.out, **flat(trainer.strategy.checkpoint_state(result.state)))
+  print(f"finished at step {result.step}", flush=True)
+
+
+if __name__ == "__main__":
+  main()
