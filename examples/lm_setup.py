@@ -91,9 +91,11 @@ def define_harness_flags(prompts: list[str]) -> None:
                     "writers as text with the harness's results.")
 
 
-def harness_actions(trainer, writer, tokenizer_path: str, every_steps: int) -> list:
+def harness_actions(trainer, writer, tokenizer_path: str, every_steps: int,
+                    max_new_tokens: int = 16) -> list:
   """`[trainer.harness.HarnessEval]` of the `--harness_*` flags ([] without tasks): the
-  tasks scored on the training state, in its layout, with a few generations."""
+  tasks scored on the training state, in its layout, with a few generations (of at most
+  `max_new_tokens`)."""
   values = flags.FLAGS
   if not values.harness_tasks:
     return []
@@ -101,7 +103,7 @@ def harness_actions(trainer, writer, tokenizer_path: str, every_steps: int) -> l
   return [HarnessEval(trainer, writer, values.harness_tasks, every_steps=every_steps,
                       tokenizer=tokenizer_path, include_path=values.harness_include_path,
                       builtin_tasks=values.harness_builtin_tasks,
-                      prompts=values.harness_prompts, max_new_tokens=16)]
+                      prompts=values.harness_prompts, max_new_tokens=max_new_tokens)]
 
 
 def export_with_tokenizer(source: str, out: str, config, tokenizer_path: str) -> list[str]:

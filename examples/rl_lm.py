@@ -113,7 +113,8 @@ def train(config, workdir: str) -> None:
     fresh = checkpointer.latest_step() is None
     state = trainer.init_state(next(stream()))
     before = trainer.evaluate(state, held_out)["reward"]
-    actions = lm_setup.harness_actions(trainer, writer, tokenizer_path, config.log_every_steps)
+    actions = lm_setup.harness_actions(trainer, writer, tokenizer_path, config.log_every_steps,
+                                       max_new_tokens=config.rl.max_completion_length)
     # A sweep's report compares its members' held-out reward at each evaluation
     # (config.sweep.metric) and exports the best to <workdir>/sweep_best.
     result = trainer.fit(stream, num_steps=config.num_train_steps, checkpointer=checkpointer,

@@ -107,6 +107,7 @@ FEW_STEPS = {
     "benchmarks/preference.py": ["--layers", "1", "--embed", "64", "--vocab", "64", "--seq",
                                  "32", "--pairs", "4", "--steps", "2", "--repeats", "1",
                                  "--devices", "2", "--rows", "sft,dpo copy"],
+    "benchmarks/rl.py": _gpu_smoke_args("rl"),  # benchmarks/gpu.py's smoke rl stage.
     "trainer.export": [],  # Reads one checkpoint: seconds as written.
     "trainer.data.train_tokenizer": [],  # A 1024-token BPE on the docs' paragraphs: seconds.
     "benchmarks/hf_load.py": ["--layers", "1", "--embed", "64", "--vocab", "256"],
@@ -176,6 +177,7 @@ EXPECTED_OUTPUT = {
                                   r"\d\.\d{3}, margin -?\d+\.\d{4} -> -?\d+\.\d{4}"),
     "examples/rl_lm.py": r"^held-out mean reward: before=\d\.\d{3} after=\d\.\d{3}",
     "benchmarks/preference.py": r"^dpo copy\s+\d+\.\d{4}\s+\d+\.\d{2}x\s+\d+\.\d{2}$",
+    "benchmarks/rl.py": r"^two-state loop\s+\d+\.\d{4}\s+\d+\s+\d+\.\d{2}x$",
     "trainer.data.train_tokenizer": r"^wrote a 1024-token byte-level BPE tokenizer trained on \d+ ",
     "trainer.generate": r"^\[0\] '(<\|bos\|>)?The tests make'\n  -> ['\"].*['\"]$",
     "trainer.harness": r"^docs_choice/acc: \d\.\d{4}$",

@@ -242,6 +242,29 @@ def test_harness_tasks_run_on_the_policy_during_rl(task, monkeypatch):
   assert sink.texts["harness/generations"].startswith("'3+4=' -> ")
 
 
+def test_the_dry_run_shows_the_rollout_cache_and_the_update_per_device(task):
+  """Under FSDP on 8 devices the rollout's 64 x 16 rows x 6 positions of keys and values (2
+  layers, 4 heads of 16, float32) are split 8 ways; one update's temporaries and the cache
+  each fit in the step's, which runs both."""
+  import re
+
+  from trainer.plan import make_plan
+  from trainer.rl import RLTrainer
+  from trainer.rl import data as rl_data
+  config = rl_config(task, "fsdp", batch_size=64, **{"rl.num_generations": 16})
+  trainer = RLTrainer(config)
+  plan = make_plan(trainer, rl_data.example_batch(config))
+  text = plan.report()
+  mib = lambda name: float(re.search(rf"  {name} +([\d.,]+) MiB", text).group(1))  # noqa: E731
+  rows, slots = 64 * 16, 5 + 1
+  keys_and_values = 2 * 2 * rows * slots * 4 * 16 * 4  # layers, k and v, rows, slots, heads...
+  assert f"({rows} rows x {slots} positions;" in text
+  # The report's 2 decimals; the cache's write index (an int per row and layer) besides.
+  np.testing.assert_allclose(mib("rollout cache"), keys_and_values / 8 / 2**20, atol=0.006)
+  assert mib("update alone") <= mib("step temporaries")
+  assert mib("rollout cache") <= mib("step temporaries")
+
+
 @pytest.mark.parametrize("overrides,match", [
     ({"rl.num_generations": 1}, r"config\.rl\.num_generations=1 must be an integer >= 2"),
     ({"rl.beta": -0.1}, r"config\.rl\.beta=-0\.1 must be a number >= 0"),

@@ -109,6 +109,8 @@ class Plan:
   xla_flops: float = 0.0
   #: `(field, bytes per device)` in `other_state_bytes` (a preference run's `reference`).
   other_parts: tuple[tuple[str, int], ...] = ()
+  #: Report lines of the Trainer's own (its `plan_notes(abstract state)`: an RL rollout's).
+  notes: tuple[str, ...] = ()
 
   @property
   def peak_bytes(self) -> int:
@@ -136,7 +138,7 @@ class Plan:
         "  collectives       " + (", ".join(
             f"{n} x{c} ({mib(self.collective_bytes.get(n, 0))})"
             for n, c in self.collectives.items()) or "none"),
-        "  largest parameters:"]
+        *self.notes, "  largest parameters:"]
     if self.quantized:
       count, held, bf16 = self.quantized
       whole = self.params_bytes - held + bf16
@@ -186,15 +188,13 @@ def _quantized_bytes(params: PyTree) -> tuple[int, int, int] | None:
 
 def count_collectives(hlo: str) -> dict[str, int]:
   """Collective op -> count in an optimised HLO module's text (async pairs counted once)."""
-  counts = collections.Counter()
-  for op in COLLECTIVES:
-    counts[op] = len(re.findall(rf"\s{op}(?:-start)?\(", hlo))
+  counts = {op: len(re.findall(rf"\s{op}(?:-start)?\(", hlo)) for op in COLLECTIVES}
   return {op: n for op, n in counts.items() if n}
 
 
 _DTYPE_BYTES = {"u4": 0.5, "s4": 0.5, "pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2,
-                "bf16": 2, "s32": 4,
-                "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
+                "bf16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8,
+                "c128": 16}
 
 
 def count_collective_bytes(hlo: str) -> dict[str, int]:
@@ -274,7 +274,8 @@ def make_plan(trainer: Any, example_batch: dict[str, np.ndarray], *,
       alias_bytes=int(memory.alias_size_in_bytes), flops=float(flops or 0.0),
       xla_flops=float((cost or {}).get("flops", 0.0)),
       collectives=count_collectives(hlo := compiled.as_text()), largest=largest[:top],
-      device_memory=device_memory, pipeline=stages, collective_bytes=count_collective_bytes(hlo))
+      device_memory=device_memory, pipeline=stages, collective_bytes=count_collective_bytes(hlo),
+      notes=tuple(getattr(trainer, "plan_notes", lambda _: ())(abstract)))
 
 
 def remedies(config, model) -> list[tuple[str, dict[str, Any]]]:
@@ -351,8 +352,7 @@ def load_trainer(spec: str) -> tuple[type, Any]:
     PlanError: the file, module or class is missing, the class is no Trainer, or the
       module defines no `example_batch`.
   """
-  import importlib
-  import importlib.util
+  import importlib.util  # Binds importlib too (import_module).
   import os
 
   from absl import flags

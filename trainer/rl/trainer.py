@@ -230,6 +230,48 @@ class RLTrainer(LanguageModelTrainer):
     return reference_lib.PreferenceTrainState(
         **fields, reference=params if self.rl.reference == "copy" else None)
 
+  # -- The dry run (`trainer.plan`) -----------------------------------------------------
+
+  def update_batch(self) -> Batch:
+    """A host update batch of the step's shapes (zeros): a step's rollouts, all rows."""
+    rl = self.rl
+    rows, width = self.config.batch_size * rl.num_generations, (
+        rl.max_prompt_length + rl.max_completion_length - 1)
+    tokens, values = np.zeros((rows, width), np.int32), np.zeros((rows, width), np.float32)
+    batch = {"inputs": tokens, "targets": tokens, WEIGHTS: values, OLD: values,
+             ADVANTAGES: np.zeros((rows,), np.float32), REWARD: np.zeros((rows,), np.float32),
+             "reward_each": np.zeros((rows, len(self.rewards)), np.float32)}
+    return {**batch, REF: values} if rl.reference != "none" else batch
+
+  def plan_notes(self, abstract_state) -> list[str]:
+    """The dry run's lines for the step's two parts, per device: the rollout's key/value
+    cache and one update's temporaries, each compiled or traced on its own."""
+    from strategies.base import cpu_compiler_options
+    from strategies.capabilities import Ensemble
+    from trainer.generation import cache_bytes
+    from trainer.plan import CPU_PLAN_COMPILER_OPTIONS
+    rl, strategy = self.rl, self.strategy
+    rows = self.config.batch_size * rl.num_generations
+    slots = rl.max_prompt_length + rl.max_completion_length
+    if isinstance(strategy, Ensemble):  # One member's cache, times the members a device holds.
+      member = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype),
+                            abstract_state)
+      one, _ = cache_bytes(self, member, rows, slots)
+      total = one * strategy.num_members
+      per_device = one * strategy.members_per_device // strategy.num_data_replicas
+    else:
+      total, per_device = cache_bytes(self, abstract_state, rows, slots)
+    batch = strategy.put_batch(self.update_batch())
+    devices = {d for x in jax.tree.leaves(batch) for d in x.sharding.device_set}
+    update = strategy.compile_train_step(self.steps.train, abstract_state).lower(
+        abstract_state, batch).compile(cpu_compiler_options(devices, CPU_PLAN_COMPILER_OPTIONS))
+    temps = int(update.memory_analysis().temp_size_in_bytes)
+    mib = lambda b: f"{b / 2**20:,.2f} MiB"  # noqa: E731
+    return [f"  rollout cache     {mib(per_device)} ({rows} rows x {slots} positions; "
+            f"{mib(total)} in all)",
+            f"  update alone      {mib(temps)} temporaries ({rows} rows, {rl.num_iterations} "
+            f"a step); the step's temporaries hold both parts"]
+
   # -- The rollout -------------------------------------------------------------------------
 
   def _host_rewards(self, prompt_ids, prompt_lengths, new, counts):
