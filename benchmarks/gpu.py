@@ -27,11 +27,11 @@ seconds (`--size smoke`, the default elsewhere):
 - `preference`: a DPO step against a fine-tuning step on the same tokens, and each
   reference's cost (a frozen copy, precomputed log-probs, SimPO's none, LoRA's adapters
   off), a GPT-2 of 12 x 768 (`preference.py`);
+- `ensemble`: 4 members on one device, looped against `vmap`ped, against 4
+  single-model steps (`ensemble_step_time.py --groups 4on1`);
 - `rl`: an RL step's time split into rollout, rewards, log-probs and update, and its
   rollout's tokens/s against `Generator` alone and a generate-then-train loop over two
-  states, a GPT-2 of 12 x 768 (`rl.py`);
-- `ensemble`: 4 members on one device, looped against `vmap`ped, against 4
-  single-model steps (`ensemble_step_time.py --groups 4on1`).
+  states, a GPT-2 of 12 x 768 (`rl.py`).
 
 The parent process never starts jax on the accelerator (a probe subprocess names
 the device), so each stage has the whole GPU. Stages run in order; one that
@@ -113,18 +113,18 @@ STAGES = {
         "smoke": ["preference.py", "--layers", "1", "--embed", "64", "--vocab", "64", "--seq",
                   "32", "--pairs", "4", "--steps", "2", "--repeats", "1", "--devices", "2"],
     },
-    "rl": {  # An RL step's parts; its rollout against Generator alone and a two-state loop.
-        "gpu": ["rl.py", "--layers", "12", "--embed", "768", "--vocab", "32000", "--prompts",
-                "8", "--group", "8", "--prompt-len", "128", "--new", "256", "--devices", "1",
-                "--compute-dtype", "bfloat16", "--steps", "3", "--repeats", "2"],
-        "smoke": ["rl.py", "--layers", "1", "--embed", "64", "--vocab", "64", "--prompts", "2",
-                  "--group", "2", "--prompt-len", "8", "--new", "4", "--steps", "1",
-                  "--repeats", "1", "--devices", "2"],
-    },
     "ensemble": {
         "gpu": ["ensemble_step_time.py", "--groups", "4on1", "--steps", "50"],
         "smoke": ["ensemble_step_time.py", "--groups", "4on1", "--steps", "2", "--batch", "4",
                   "--repeats", "1"],
+    },
+    "rl": {  # An RL step's parts; its rollout against Generator alone and a two-state loop.
+        "gpu": ["rl.py", "--layers", "12", "--embed", "768", "--vocab", "32000", "--prompts",
+                "8", "--group", "8", "--prompt-len", "128", "--new", "256", "--devices", "1",
+                "--compute-dtype", "bfloat16", "--steps", "2", "--repeats", "2"],
+        "smoke": ["rl.py", "--layers", "1", "--embed", "64", "--vocab", "64", "--prompts", "2",
+                  "--group", "2", "--prompt-len", "8", "--new", "4", "--steps", "1",
+                  "--repeats", "1", "--devices", "2"],
     },
 }
 
