@@ -16,6 +16,7 @@ import os
 import numpy as np
 import pytest
 from hf_fixtures import ATOL, VOCAB, lm_batch, run_config, save_random
+from recorder import Recorder
 
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 torch = pytest.importorskip("torch")
@@ -164,23 +165,9 @@ def test_harness_metrics_are_what_the_loglikelihoods_give(setup):
                              np.exp(-total / words), rtol=1e-4)
 
 
-class _Recorder:
-  def __init__(self):
-    self.scalars, self.texts = {}, {}
-
-  def write_scalars(self, step, scalars):
-    self.scalars.setdefault(step, {}).update(scalars)
-
-  def write_texts(self, step, texts):
-    self.texts.setdefault(step, {}).update(texts)
-
-  def __getattr__(self, name):  # flush, close, write_hparams...: nothing to record.
-    return lambda *args, **kwargs: None
-
-
 def test_the_action_evaluates_during_training(setup):
   directory, _, tasks, trainer, state = setup
-  writer = _Recorder()
+  writer = Recorder()
   action = harness.HarnessEval(trainer, writer, ["tiny_choice"], every_steps=2,
                                tokenizer=directory, include_path=tasks, builtin_tasks=False,
                                prompts=("w1 w2",), max_new_tokens=4)
@@ -204,5 +191,5 @@ def jax_leaves(tree):
 def test_unknown_tasks_are_refused_naming_where_it_looked(setup):
   _, _, tasks, trainer, _ = setup
   with pytest.raises(ValueError, match=r"\['no_such_task'\].*no built-in ones.*include_path"):
-    harness.HarnessEval(trainer, _Recorder(), ["no_such_task"], every_steps=1,
+    harness.HarnessEval(trainer, Recorder(), ["no_such_task"], every_steps=1,
                         include_path=tasks, builtin_tasks=False)

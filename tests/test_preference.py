@@ -283,26 +283,19 @@ def test_harness_tasks_run_on_the_policy_during_preference_training(files, monke
   """`trainer.harness.HarnessEval` as an action of a DPO run: the example tasks scored on
   the policy in its layout, and a generation, at the run's end."""
   pytest.importorskip("lm_eval")
+  from recorder import Recorder
+
   from trainer.harness import HarnessEval
-
-  class Sink:
-    scalars, texts = {}, {}
-
-    def write_scalars(self, step, scalars):
-      self.scalars.update(scalars)
-
-    def write_texts(self, step, texts):
-      self.texts.update(texts)
 
   config = tiny_config(files, **{"preference.loss": "simpo"})
   trainer = PreferenceTrainer(config)
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   monkeypatch.chdir(root)  # The tasks' data files are relative to the repository's root.
-  sink = Sink()
+  sink = Recorder()
   action = HarnessEval(trainer, sink, ["docs_choice"], every_steps=100,
                        tokenizer=str(files["tokenizer"] / "tokenizer.json"),
                        include_path=os.path.join(root, "examples", "harness_tasks"),
                        builtin_tasks=False, prompts=["the cat"], max_new_tokens=4)
   trainer.fit(pdata.from_config(config), num_steps=2, actions=[action])
-  assert 0.0 <= sink.scalars["harness/docs_choice/acc"] <= 1.0
-  assert sink.texts["harness/generations"].startswith("'the cat' -> ")
+  assert 0.0 <= sink.latest("harness/docs_choice/acc") <= 1.0
+  assert sink.latest("harness/generations").startswith("'the cat' -> ")

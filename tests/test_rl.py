@@ -217,29 +217,22 @@ def test_harness_tasks_run_on_the_policy_during_rl(task, monkeypatch):
   """`trainer.harness.HarnessEval` as an action of an RL run under FSDP: lm-eval's tasks
   scored on the policy in its layout, and a generation, at the run's end."""
   pytest.importorskip("lm_eval")
+  from recorder import Recorder
+
   from trainer.harness import HarnessEval
   from trainer.rl import RLTrainer
   from trainer.rl import data as rl_data
 
-  class Sink:
-    scalars, texts = {}, {}
-
-    def write_scalars(self, step, scalars):
-      self.scalars.update(scalars)
-
-    def write_texts(self, step, texts):
-      self.texts.update(texts)
-
   config = rl_config(task, "fsdp")
   trainer = RLTrainer(config)
   monkeypatch.chdir(ROOT)  # The tasks' data files are relative to the repository's root.
-  sink = Sink()
+  sink = Recorder()
   action = HarnessEval(trainer, sink, ["docs_choice"], every_steps=100, tokenizer=task[1],
                        include_path=str(ROOT / "examples" / "harness_tasks"),
                        builtin_tasks=False, prompts=["3+4="], max_new_tokens=1)
   trainer.fit(rl_data.from_config(config), num_steps=2, actions=[action])
-  assert 0.0 <= sink.scalars["harness/docs_choice/acc"] <= 1.0
-  assert sink.texts["harness/generations"].startswith("'3+4=' -> ")
+  assert 0.0 <= sink.latest("harness/docs_choice/acc") <= 1.0
+  assert sink.latest("harness/generations").startswith("'3+4=' -> ")
 
 
 def test_the_dry_run_shows_the_rollout_cache_and_the_update_per_device(task):
