@@ -146,12 +146,11 @@ def measure(args) -> dict[str, float]:
   host = jax.device_get(repeated)
   figures["rewards"] = median_seconds(lambda: trainer._host_rewards(  # noqa: SLF001
       host["tokens"], host["lengths"], new, counts), args)
-  update = jax.device_get(strategy.compile_eval_step(
-      lambda s, b: trainer.rollout(s, b, group=rl.num_generations, sampling=trainer.sampling),
-      state)(state, placed))
-  update[rl_trainer.ADVANTAGES] = np.asarray(losses_lib.group_advantages(
-      jnp.asarray(update[rl_trainer.REWARD]), rl.num_generations))
-  tokens = strategy.put_batch({k: update[k] for k in ("inputs", "targets")})
+  # The updates' batch as the step builds it (its rollouts, advantages and log-probs), in
+  # the batch's layout.
+  update = strategy.put_batch(jax.device_get(strategy.compile_eval_step(
+      trainer.update_batch, state)(state, placed)))
+  tokens = {k: update[k] for k in ("inputs", "targets")}
   logps = strategy.compile_eval_step(
       lambda s, b: trainer.logps(s.params, s.model_state, b["inputs"], b["targets"]), state)
   reference = strategy.compile_eval_step(
@@ -160,9 +159,6 @@ def measure(args) -> dict[str, float]:
       lambda: jax.block_until_ready(logps(state, tokens)), args)
   figures["reference"] = median_seconds(
       lambda: jax.block_until_ready(reference(state, tokens)), args)
-  update[rl_trainer.OLD] = jax.device_get(logps(state, tokens))
-  update[rl_trainer.REF] = jax.device_get(reference(state, tokens))
-  update = strategy.put_batch(update)
   train = strategy.compile_train_step(trainer.steps.train, state)
   holder[0] = jax.tree.map(jnp.copy, state)
 
@@ -183,9 +179,8 @@ def measure(args) -> dict[str, float]:
   def two_state_loop():
     sampler[0] = sampler[0].replace(params=copy(holder[0].params))  # The weights' sync.
     new, counts, _ = jax.device_get(generate(sampler[0], repeated))
-    total, each = trainer._host_rewards(host["tokens"], host["lengths"], new,  # noqa: SLF001
-                                        counts)
-    del each
+    total, _ = trainer._host_rewards(host["tokens"], host["lengths"], new,  # noqa: SLF001
+                                     counts)
     advantages = losses_lib.group_advantages(jnp.asarray(total), rl.num_generations)
     batch = dict(update)  # The rollout's rows (same shapes), its rewards and log-probs.
     batch[rl_trainer.ADVANTAGES] = strategy.put_batch(np.asarray(advantages))

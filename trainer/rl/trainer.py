@@ -232,8 +232,9 @@ class RLTrainer(LanguageModelTrainer):
 
   # -- The dry run (`trainer.plan`) -----------------------------------------------------
 
-  def update_batch(self) -> Batch:
-    """A host update batch of the step's shapes (zeros): a step's rollouts, all rows."""
+  def example_update(self) -> Batch:
+    """A host batch of `update_batch`'s shapes (zeros): a step's rollouts, all rows. (The
+    step's own trace would need the strategy's axes under an ensemble.)"""
     rl = self.rl
     rows, width = self.config.batch_size * rl.num_generations, (
         rl.max_prompt_length + rl.max_completion_length - 1)
@@ -261,7 +262,7 @@ class RLTrainer(LanguageModelTrainer):
       per_device = one * strategy.members_per_device // strategy.num_data_replicas
     else:
       total, per_device = cache_bytes(self, abstract_state, rows, slots)
-    batch = strategy.put_batch(self.update_batch())
+    batch = strategy.put_batch(self.example_update())
     devices = {d for x in jax.tree.leaves(batch) for d in x.sharding.device_set}
     update = strategy.compile_train_step(self.steps.train, abstract_state).lower(
         abstract_state, batch).compile(cpu_compiler_options(devices, CPU_PLAN_COMPILER_OPTIONS))
@@ -319,24 +320,29 @@ class RLTrainer(LanguageModelTrainer):
     return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], WEIGHTS: weights,
             REWARD: total, "reward_each": each}
 
-  def train_step(self, state, batch: Batch):
-    """One RL step: rollouts, rewards, old and reference log-probs, μ updates."""
+  def update_batch(self, state, batch: Batch) -> Batch:
+    """A prompt batch's rollouts as the updates' batch: the completions (`rollout`), their
+    advantages, and their old and (with `beta > 0`) reference log-probs."""
     rl = self.rl
-    out = jax.lax.stop_gradient(self.rollout(state, batch, group=rl.num_generations,
-                                             sampling=self.sampling))
-    update = dict(out)
-    update[ADVANTAGES] = losses_lib.group_advantages(out[REWARD], rl.num_generations,
+    update = dict(jax.lax.stop_gradient(self.rollout(state, batch, group=rl.num_generations,
+                                                     sampling=self.sampling)))
+    update[ADVANTAGES] = losses_lib.group_advantages(update[REWARD], rl.num_generations,
                                                      scale=rl.scale_rewards)
     update[OLD] = jax.lax.stop_gradient(self.logps(state.params, state.model_state,
-                                                   out["inputs"], out["targets"]))
+                                                   update["inputs"], update["targets"]))
     if rl.reference != "none":
       weights = (state.reference if rl.reference == "copy"
                  else reference_lib.adapters_off(state.params))
       update[REF] = jax.lax.stop_gradient(self.logps(weights, state.model_state,
-                                                     out["inputs"], out["targets"]))
+                                                     update["inputs"], update["targets"]))
+    return update
+
+  def train_step(self, state, batch: Batch):
+    """One RL step: rollouts, rewards, old and reference log-probs, μ updates."""
+    update = self.update_batch(state, batch)
     step = state.step
     state, outputs = self.steps.train(state, update)
-    for _ in range(rl.num_iterations - 1):
+    for _ in range(self.rl.num_iterations - 1):
       state, _ = self.steps.train(state, update)
     return state.replace(step=step + 1), outputs
 
