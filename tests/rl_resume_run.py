@@ -1,13 +1,13 @@
 """An RL run (`configs/rl.py:addition`, tiny) with checkpoints, for the SIGKILL resume test.
 
     RL_ROLLOUT_LOG=rollouts.jsonl python tests/rl_resume_run.py --workdir=W --out=final.npz \
-        [--kill_at=S]
+        [--kill_at=S | --kill_after_save_at=S]
 
-Trains 6 steps under FSDP on 8 host devices, checkpointing every 2 steps and resuming from
+Trains 8 steps under FSDP on 8 host devices, checkpointing every 4 steps and resuming from
 `W/checkpoints` when it holds one; each step's rollouts (prompt and completion ids) are
 appended to `$RL_ROLLOUT_LOG` by a reward (`rl_rewards.recorded`). `--kill_at=S` SIGKILLs
-the process once step S is done (between checkpoints when S is odd). Writes the final
-state (checkpoint layout) to `--out`.
+the process once step S is done (between checkpoints); `--kill_after_save_at=S` once the
+checkpoint of step S is complete. Writes the final state (checkpoint layout) to `--out`.
 """
 
 import argparse
@@ -24,11 +24,11 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import rl_tasks  # noqa: E402
 from resume_run import flat  # noqa: E402
+from sweep_run import KillingCheckpointer  # noqa: E402
 
-from trainer.checkpoint import Checkpointer  # noqa: E402
 from trainer.loop.actions import PeriodicCallback  # noqa: E402
 
-STEPS = 6
+STEPS = 8
 
 
 def config_for(task_dir: str):
@@ -51,6 +51,7 @@ def main():
   parser.add_argument("--workdir", required=True)
   parser.add_argument("--out", required=True)
   parser.add_argument("--kill_at", type=int, default=-1)
+  parser.add_argument("--kill_after_save_at", type=int, default=-1)
   args = parser.parse_args()
   logging.getLogger().setLevel(logging.INFO)
   for noisy in ("absl", "jax", "orbax"):
@@ -59,8 +60,9 @@ def main():
   from trainer.rl import data as rl_data
   config = config_for(os.path.join(args.workdir, "task"))
   trainer = RLTrainer(config)
-  checkpointer = Checkpointer(os.path.join(args.workdir, "checkpoints"), every_steps=2,
-                              async_save=False)
+  checkpointer = KillingCheckpointer(os.path.join(args.workdir, "checkpoints"), every_steps=4,
+                                     async_save=False)
+  checkpointer.kill_at = args.kill_after_save_at
 
   def kill(view):
     if view.step == args.kill_at:

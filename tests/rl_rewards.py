@@ -1,5 +1,8 @@
 """Reward functions the RL tests name by import path (`trainer.rl.rewards`)."""
 
+import json
+import os
+
 
 def length(*, completions, **_):
   """The completion's length in characters."""
@@ -26,8 +29,6 @@ NOT_CALLABLE = 3
 def recorded(*, prompt_ids, completion_ids, **_):
   """0 for each completion; appends the call's prompts and completions (the ids) as one
   JSON line to the file `$RL_ROLLOUT_LOG` names: a run's rollouts, one line per step."""
-  import json
-  import os
   with open(os.environ["RL_ROLLOUT_LOG"], "a") as f:
     f.write(json.dumps([prompt_ids, completion_ids]) + "\n")
   return [0.0] * len(completion_ids)

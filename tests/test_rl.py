@@ -147,19 +147,20 @@ def test_it_learns_single_digit_addition(task):
 
 
 def _resume_run(workdir, out, log, *extra):
+  import os
   import subprocess
   import sys
   return subprocess.run([sys.executable, str(ROOT / "tests" / "rl_resume_run.py"),
                          f"--workdir={workdir}", f"--out={out}", *extra],
-                        env={**__import__("os").environ, "RL_ROLLOUT_LOG": str(log)},
+                        env={**os.environ, "RL_ROLLOUT_LOG": str(log)},
                         capture_output=True, text=True, timeout=600)
 
 
-def test_a_run_killed_between_checkpoints_redraws_its_rollouts_and_ends_bitwise_equal(
+def test_a_run_killed_at_and_past_a_checkpoint_redraws_its_rollouts_bitwise_equal(
     tmp_path):
-  """SIGKILLed after steps 3 and 5 (checkpoints every 2), rerun each time: every attempt's
-  rollouts are the uninterrupted run's from the step it resumed at, and the final state is
-  the uninterrupted run's, bit for bit."""
+  """SIGKILLed right after the checkpoint of step 4, then 3 steps past it (checkpoints every
+  4), rerun each time: every attempt's rollouts are the uninterrupted run's from the step
+  it resumed at, and the final state is the uninterrupted run's, bit for bit."""
   import json
   import signal
 
@@ -169,11 +170,12 @@ def test_a_run_killed_between_checkpoints_redraws_its_rollouts_and_ends_bitwise_
   straight = _resume_run(tmp_path / "straight", tmp_path / "straight.npz", tmp_path / "s.log")
   assert straight.returncode == 0, straight.stderr[-3000:]
   want = rollouts(tmp_path / "s.log")
-  assert len(want) == 6 and len({json.dumps(r) for r in want}) == 6  # A new draw each step.
+  assert len(want) == 8 and len({json.dumps(r) for r in want}) == 8  # A new draw each step.
   work, out = tmp_path / "work", tmp_path / "final.npz"
-  for attempt, (kill_at, resumed_at) in enumerate([(3, 0), (5, 2), (-1, 4)]):
+  for attempt, (kill, kill_at, resumed_at) in enumerate(
+      [("kill_after_save_at", 4, 0), ("kill_at", 7, 4), ("kill_at", -1, 4)]):
     log = tmp_path / f"attempt{attempt}.log"
-    run = _resume_run(work, out, log, f"--kill_at={kill_at}")
+    run = _resume_run(work, out, log, f"--{kill}={kill_at}")
     if kill_at > 0:
       assert run.returncode == -signal.SIGKILL, run.stderr[-3000:]
     else:
@@ -181,7 +183,7 @@ def test_a_run_killed_between_checkpoints_redraws_its_rollouts_and_ends_bitwise_
     if resumed_at:
       assert f"Resuming at step {resumed_at}" in run.stderr
     got = rollouts(log)  # Killed at S: steps resumed_at + 1 .. S drawn (a later one may be).
-    assert len(got) >= (kill_at if kill_at > 0 else 6) - resumed_at
+    assert len(got) >= (kill_at if kill_at > 0 else 8) - resumed_at
     assert got == want[resumed_at:resumed_at + len(got)], attempt
   a, b = np.load(tmp_path / "straight.npz"), np.load(out)
   assert sorted(a) == sorted(b)
