@@ -284,6 +284,21 @@ def test_a_corpus_config_that_cannot_run_is_refused_before_compute(files, fields
     check_config(config)
 
 
+def test_held_out_data_is_read_in_this_process_whatever_the_workers(files):
+  """`config.data.workers=2` trains in two workers; the held-out pass (one lane) is read
+  here, the same batches as with no workers."""
+  batches = {}
+  for workers in (0, 2):
+    config = corpus_config(files, workers=workers, eval_sources=(str(files["b"]),))
+    config.eval_batch_size = 2
+    from trainer.config import check_config
+    check_config(config)
+    batches[workers] = lm.eval_batches(config)
+  assert len(batches[2]) == len(batches[0]) > 0
+  for a, b in zip(batches[0], batches[2], strict=True):
+    np.testing.assert_array_equal(a["targets"], b["targets"])
+
+
 def test_a_run_killed_mid_epoch_resumes_the_same_batches_and_parameters(tmp_path, files):
   """SIGKILL at step 7 (checkpoint at 4, mid-epoch), then the same command: every step's
   batch and the final parameters equal the uninterrupted run's, bitwise."""

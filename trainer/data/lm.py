@@ -60,10 +60,14 @@ from trainer.data.positions import LANES_KEY, PROCESS_KEY, STATES_KEY, gather_st
 
 LAYOUTS = ("packed", "chunked")
 MAX_DEFAULT_LANES = 8
-#: Arrays up to this size pass from a worker through its queue rather than shared memory: a
-#: block of token rows is small, and a run that stops with blocks in the buffer leaves no
-#: shared-memory segment behind.
-_QUEUE_BYTES = 1 << 26
+#: Arrays up to this size pass from a worker through its queue (a pipe); larger ones, a
+#: block's token rows, through shared memory, which `close` unlinks. A block sent through the
+#: pipe whole would be larger than the pipe holds at 128 tokens a row or more: the worker's
+#: writer thread then could not finish before the training process read it, the worker
+#: could not exit when told to, and every `close` waited Grain's 25 s before killing it.
+_QUEUE_BYTES = 1 << 10
+#: How often a worker checks that the training process is still there.
+_PARENT_POLL_SECONDS = 0.5
 
 
 def lanes_for(batch_size: int, lanes: int) -> int:
@@ -262,7 +266,7 @@ class CorpusIterator:
     blocks = iter(grain.experimental.WithOptionsIterDataset(group, options).mp_prefetch(
         grain.MultiprocessingOptions(num_workers=self.corpus.workers,
                                      per_worker_buffer_size=self.corpus.worker_buffer),
-        worker_init_fn=functools.partial(_die_with_parent, os.getpid())))
+        worker_init_fn=functools.partial(_worker_init, os.getpid())))
     # Stopped and let go when this iterator goes, or at the latest as the interpreter starts
     # to exit: later, grain's own cleanup would find its modules half torn down.
     held = [blocks]
@@ -329,21 +333,31 @@ def _stop_workers(held: list) -> None:
     held.pop().close()
 
 
-def _die_with_parent(parent: int, worker: int, workers: int) -> None:
-  """In a worker process: ends it when the training process `parent` ends, however it
-  ends. A killed process (SIGKILL, the OOM killer) runs no cleanup, and its workers would
-  wait on their full queues for ever, holding the pipes its launcher reads (Linux;
-  elsewhere nothing)."""
+def _worker_init(parent: int, worker: int, workers: int) -> None:
+  """In a worker process, first: Ctrl-C is left to the training process, and the worker
+  ends when that process ends, however it ends.
+
+  A terminal's Ctrl-C reaches every process of its group: the training process stops at
+  a step boundary and closes the workers, which must not die of it on their own first
+  (half-way through writing a block, which `close` would then wait for). A killed
+  training process (SIGKILL, the OOM killer) runs no cleanup, and its workers would wait
+  on their full queues for ever, holding the pipes its launcher reads: a daemon thread
+  checks the parent twice a second. (Linux's PR_SET_PDEATHSIG would fire when the
+  *thread* that started the worker ends, and Grain starts its workers from a prefetch
+  thread that ends at `close`: the worker was then killed mid-block, a block of rows
+  longer than a pipe holds, and `close` waited for the rest of it for ever.)"""
   del worker, workers
-  import ctypes
   import signal
-  try:
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG.
-  except (OSError, AttributeError):
-    return
-  if os.getppid() != parent:  # The parent had already gone before the call.
+  import threading
+  import time
+  signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+  def watch():
+    while os.getppid() == parent:
+      time.sleep(_PARENT_POLL_SECONDS)
     os._exit(1)
+
+  threading.Thread(target=watch, name="die-with-parent", daemon=True).start()
 
 
 def check_workers(workers: Any, worker_buffer: Any, lanes: int) -> None:
@@ -467,19 +481,26 @@ def from_config(config, rows: slice = slice(None), epochs: int | None = None) ->
                 worker_buffer=data.worker_buffer)
 
 
-def eval_batches(config) -> list[dict[str, np.ndarray]]:
-  """Up to `config.data.eval_batches` global batches of `config.eval_batch_size` rows from
-  one pass over `config.data.eval_sources` (in order: one lane, files unshuffled), the
-  same on every process and in every run; [] without eval sources."""
+def held_out_config(config) -> ml_collections.ConfigDict:
+  """`config` for one ordered pass over `config.data.eval_sources`: those sources (with
+  `eval_text_fields`), in one lane, files unshuffled, read in this process (no workers:
+  lanes that end at different batches would leave the workers' turns out of step), in
+  batches of `config.eval_batch_size`. The same on every process and in every run."""
   data = config.data
-  if not data.eval_sources:
-    return []
   held_out = ml_collections.ConfigDict(config.to_dict())
   with held_out.unlocked():
-    held_out.data.update(sources=tuple(data.eval_sources), weights=(), lanes=1,
+    held_out.data.update(sources=tuple(data.eval_sources), weights=(), lanes=1, workers=0,
                          shuffle_files=False, text_fields=tuple(data.eval_text_fields))
     held_out.batch_size = config.eval_batch_size
-  return first_batches(from_config(held_out, epochs=1)(), config, "rows")
+  return held_out
+
+
+def eval_batches(config) -> list[dict[str, np.ndarray]]:
+  """Up to `config.data.eval_batches` global batches of `config.eval_batch_size` rows from
+  one pass over `config.data.eval_sources` (`held_out_config`); [] without eval sources."""
+  if not config.data.eval_sources:
+    return []
+  return first_batches(from_config(held_out_config(config), epochs=1)(), config, "rows")
 
 
 def first_batches(iterator, config, what: str) -> list[dict[str, np.ndarray]]:

@@ -205,42 +205,30 @@ def encoder(config: ml_collections.ConfigDict, tokenizer: Tokenizer) -> PairEnco
 
 
 def from_config(config: ml_collections.ConfigDict, rows: slice = slice(None),
-                epochs: int | None = None, *, sources: Sequence[str] | None = None,
-                batch_size: int | None = None, lanes: int | None = None,
-                shuffle_files: bool | None = None) -> lm.Corpus:
-  """The pairs of `config.data.sources` (or `sources`), this process's `rows` of each
-  batch, endless or `epochs` passes: what `fit` takes."""
-  check_config(config, sources=sources is None)
-  data = config.data
-  run = ml_collections.ConfigDict(config.to_dict())
-  with run.unlocked():
-    if sources is not None:
-      run.data.update(sources=tuple(sources), weights=(), text_fields=())
-    if lanes is not None:
-      run.data.lanes = lanes
-    if batch_size is not None:
-      run.batch_size = batch_size
+                epochs: int | None = None, *, held_out: bool = False) -> lm.Corpus:
+  """The pairs of `config.data.sources` (`held_out`: one ordered pass over `eval_sources`,
+  `lm.held_out_config`), this process's `rows` of each batch, endless or `epochs` passes:
+  what `fit` takes."""
+  check_config(config, sources=not held_out)
+  run = lm.held_out_config(config) if held_out else config
   resolved = lm.check_config(run, schemas=False)
   check_schemas(resolved, config)
   tokenizer = lm.tokenizer_of(run)
+  data = run.data
   return lm.Corpus(resolved, tokenizer, length=config.seq_len, batch_size=run.batch_size,
-                   rows=rows, lanes=run.data.lanes, bad_records=data.bad_records,
-                   shuffle_files=data.shuffle_files if shuffle_files is None else shuffle_files,
-                   seed=config.seed, epochs=epochs, workers=data.workers if epochs is None
-                   else 0, worker_buffer=data.worker_buffer,
-                   encode=encoder(config, tokenizer))
+                   rows=rows, lanes=data.lanes, bad_records=data.bad_records,
+                   shuffle_files=data.shuffle_files, seed=config.seed, epochs=epochs,
+                   workers=data.workers if epochs is None else 0,
+                   worker_buffer=data.worker_buffer, encode=encoder(config, tokenizer))
 
 
 def eval_batches(config: ml_collections.ConfigDict) -> list[dict[str, np.ndarray]]:
   """Up to `config.data.eval_batches` batches of `config.eval_batch_size` pairs from one
   pass over `config.data.eval_sources`, in order, the same on every process; [] without
   eval sources."""
-  data = config.data
-  if not data.eval_sources:
+  if not config.data.eval_sources:
     return []
-  return lm.first_batches(from_config(config, epochs=1, sources=data.eval_sources,
-                                      batch_size=config.eval_batch_size, lanes=1,
-                                      shuffle_files=False)(), config, "pairs")
+  return lm.first_batches(from_config(config, epochs=1, held_out=True)(), config, "pairs")
 
 
 def example_batch(config: ml_collections.ConfigDict) -> dict[str, np.ndarray]:

@@ -63,12 +63,8 @@ def from_config(config: ml_collections.ConfigDict, rows: slice = slice(None),
   """The prompts of `config.data.sources` (`eval_set`: of `eval_sources`, one pass in
   order), this process's `rows` of each batch: what `fit` takes."""
   data = config.data
-  run = ml_collections.ConfigDict(config.to_dict())
-  with run.unlocked():
-    if eval_set:
-      run.data.update(sources=tuple(data.eval_sources), weights=(), text_fields=(), lanes=1,
-                      shuffle_files=False)
-      run.batch_size = config.eval_batch_size
+  run = lm.held_out_config(config) if eval_set else config
+  epochs = 1 if eval_set else epochs
   if not run.data.sources:
     raise ValueError("config.data.sources is empty: RL reads its prompts from JSONL or "
                      "Parquet files ({prompt: ...} records).")
@@ -77,8 +73,7 @@ def from_config(config: ml_collections.ConfigDict, rows: slice = slice(None),
   return lm.Corpus(resolved, tokenizer, length=config.seq_len, batch_size=run.batch_size,
                    rows=rows, lanes=run.data.lanes, bad_records=data.bad_records,
                    shuffle_files=run.data.shuffle_files, seed=config.seed,
-                   epochs=1 if eval_set else epochs,
-                   workers=data.workers if epochs is None and not eval_set else 0,
+                   epochs=epochs, workers=run.data.workers if epochs is None else 0,
                    worker_buffer=data.worker_buffer,
                    encode=PromptEncoder(tokenizer, length=config.rl.max_prompt_length,
                                         field=config.rl.prompt_field))
