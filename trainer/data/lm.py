@@ -42,9 +42,6 @@ any number of blocks waiting in the workers' buffers, and the same for any `work
 
 from __future__ import annotations
 
-import functools
-import os
-import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -54,20 +51,13 @@ import numpy as np
 
 from trainer.data import corpus as corpus_lib
 from trainer.data import packing
+from trainer.data import workers as workers_lib
 from trainer.data.corpus import TextSource, Tokenizer
 from trainer.data.corpus_metrics import CorpusMetrics, skipped_records  # noqa: F401 (lm's names)
 from trainer.data.positions import LANES_KEY, PROCESS_KEY, STATES_KEY, gather_state  # noqa: F401
 
 LAYOUTS = ("packed", "chunked")
 MAX_DEFAULT_LANES = 8
-#: Arrays up to this size pass from a worker through its queue (a pipe); larger ones, a
-#: block's token rows, through shared memory, which `close` unlinks. A block sent through the
-#: pipe whole would be larger than the pipe holds at 128 tokens a row or more: the worker's
-#: writer thread then could not finish before the training process read it, the worker
-#: could not exit when told to, and every `close` waited Grain's 25 s before killing it.
-_QUEUE_BYTES = 1 << 10
-#: How often a worker checks that the training process is still there.
-_PARENT_POLL_SECONDS = 0.5
 
 
 def lanes_for(batch_size: int, lanes: int) -> int:
@@ -259,19 +249,9 @@ class CorpusIterator:
     group = LaneGroup(self.corpus, self.corpus.my_lanes, self._states)
     if not self.corpus.workers:
       return iter(group)
-    from absl import flags
-    if not flags.FLAGS.is_parsed():  # Grain's worker start reads its absl flags: unparsed
-      flags.FLAGS.mark_as_parsed()  # (a notebook, a test), they hold their defaults.
-    options = grain.experimental.DatasetOptions(min_shm_size=_QUEUE_BYTES)
-    blocks = iter(grain.experimental.WithOptionsIterDataset(group, options).mp_prefetch(
-        grain.MultiprocessingOptions(num_workers=self.corpus.workers,
-                                     per_worker_buffer_size=self.corpus.worker_buffer),
-        worker_init_fn=functools.partial(_worker_init, os.getpid())))
-    # Stopped and let go when this iterator goes, or at the latest as the interpreter starts
-    # to exit: later, grain's own cleanup would find its modules half torn down.
-    held = [blocks]
-    self._stop = weakref.finalize(self, _stop_workers, held)
-    return _Held(held)
+    blocks, self._stop = workers_lib.start(group, self, workers=self.corpus.workers,
+                                           buffer=self.corpus.worker_buffer)
+    return blocks
 
   def __next__(self) -> dict[str, np.ndarray]:
     if self._blocks is None:
@@ -316,48 +296,6 @@ class CorpusIterator:
     stop, self._stop, self._blocks = self._stop, None, None
     if stop is not None:
       stop()
-
-
-class _Held:
-  """The workers' iterator, through the list `_stop_workers` empties."""
-
-  def __init__(self, held: list):
-    self._held = held
-
-  def __next__(self):
-    return next(self._held[0])
-
-
-def _stop_workers(held: list) -> None:
-  if held:
-    held.pop().close()
-
-
-def _worker_init(parent: int, worker: int, workers: int) -> None:
-  """In a worker process, first: Ctrl-C is left to the training process, and the worker
-  ends when that process ends, however it ends.
-
-  A terminal's Ctrl-C reaches every process of its group: the training process stops at
-  a step boundary and closes the workers, which must not die of it on their own first
-  (half-way through writing a block, which `close` would then wait for). A killed
-  training process (SIGKILL, the OOM killer) runs no cleanup, and its workers would wait
-  on their full queues for ever, holding the pipes its launcher reads: a daemon thread
-  checks the parent twice a second. (Linux's PR_SET_PDEATHSIG would fire when the
-  *thread* that started the worker ends, and Grain starts its workers from a prefetch
-  thread that ends at `close`: the worker was then killed mid-block, a block of rows
-  longer than a pipe holds, and `close` waited for the rest of it for ever.)"""
-  del worker, workers
-  import signal
-  import threading
-  import time
-  signal.signal(signal.SIGINT, signal.SIG_IGN)
-
-  def watch():
-    while os.getppid() == parent:
-      time.sleep(_PARENT_POLL_SECONDS)
-    os._exit(1)
-
-  threading.Thread(target=watch, name="die-with-parent", daemon=True).start()
 
 
 def check_workers(workers: Any, worker_buffer: Any, lanes: int) -> None:
