@@ -109,16 +109,10 @@ def harness_actions(trainer, writer, tokenizer_path: str, every_steps: int,
 def export_with_tokenizer(source: str, out: str, config, tokenizer_path: str) -> list[str]:
   """Exports the latest checkpoint of `source` (a workdir, or a sweep's `sweep_best`) as an
   HF model in `out`, with the tokenizer's files (its chat template and special tokens go
-  with the model); returns the tensor names written."""
-  import shutil
-
+  with the model, and `generation_config.json` names its EOS); returns the tensor names
+  written."""
   from trainer.export import export_checkpoint
-  names = export_checkpoint(source, out, config=config.to_dict())
-  shutil.copy(tokenizer_path, os.path.join(out, "tokenizer.json"))
-  settings = os.path.join(os.path.dirname(tokenizer_path), "tokenizer_config.json")
-  if os.path.isfile(settings):
-    shutil.copy(settings, os.path.join(out, "tokenizer_config.json"))
-  return names
+  return export_checkpoint(source, out, config=config.to_dict(), tokenizer=tokenizer_path)
 
 
 def start_model(config, workdir: str, section: str | None = None) -> str:

@@ -23,7 +23,7 @@ def addition_prompts() -> list[str]:
 def write_addition(directory: str) -> tuple[str, str]:
   """The prompts as JSONL and a character-level tokenizer (`tokenizer.json`, and its
   `tokenizer_config.json`: BOS before each prompt): (prompts file, tokenizer file)."""
-  from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+  from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
   os.makedirs(directory, exist_ok=True)
   vocab = {BOS: 0, EOS: 1, **{c: i + 2 for i, c in enumerate(CHARACTERS)}}
@@ -31,6 +31,8 @@ def write_addition(directory: str) -> tuple[str, str]:
   tokenizer.add_special_tokens([BOS, EOS])
   tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
   tokenizer.decoder = decoders.Fuse()
+  tokenizer.post_processor = processors.TemplateProcessing(  # BOS, as `AutoTokenizer` adds it.
+      single=f"{BOS} $A", special_tokens=[(BOS, vocab[BOS])])
   tokenizer_path = os.path.join(directory, "tokenizer.json")
   tokenizer.save(tokenizer_path)
   with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:

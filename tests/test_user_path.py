@@ -1,6 +1,7 @@
 """A user's path across the parts, as the corpus guide tells it: text files and a tokenizer,
 a training run, then generation, the harness and an export from the run's workdir alone,
-and the export loaded by `transformers` with the checkpoint's logits.
+and the export (weights, tokenizer and generation config) loaded by `transformers` with the
+checkpoint's logits.
 
 The commands are the guide's own (`doc_commands.user_path`), run in order as in a fresh
 shell with few steps; no other test runs them again.
@@ -56,8 +57,14 @@ def test_the_export_loads_in_transformers_with_the_checkpoints_logits(path_run):
   model = transformers.AutoModelForCausalLM.from_pretrained(str(export)).eval()
   assert type(model).__name__ == "LlamaForCausalLM"
   tokenizer = Tokenizer(str(runner.path("/tmp/corpus")), add_eos=False)
-  ids = np.asarray([tokenizer("The tests make every command run with few steps")[:12]],
-                   np.int32)
+  text = "The tests make every command run with few steps"
+  ids = np.asarray([tokenizer(text)[:12]], np.int32)
+  # The tokenizer went with the weights: `transformers` loads it from the export alone,
+  # and its generation config stops at the tokenizer's EOS.
+  exported = transformers.AutoTokenizer.from_pretrained(str(export))
+  assert exported(text)["input_ids"] == tokenizer(text).tolist()
+  generation = transformers.GenerationConfig.from_pretrained(str(export))
+  assert generation.eos_token_id == tokenizer.eos_id is not None
   trainer = build_trainer(run_config(str(runner.path("/tmp/lm_corpus")), None, None))
   ours = np.asarray(our_outputs(trainer, restored_state(trainer), ids))[..., :512]
   with torch.no_grad():

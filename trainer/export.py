@@ -10,8 +10,11 @@ member with `--member`); the model must be of a family with a mapping
 config: `--config` (a JSON config, as every run with a workdir writes to
 `<workdir>/config.json`, or a sweep's `sweep_best_config.json`), by default
 `<workdir>/config.json`. LoRA adapters (`config.lora`) are merged into their
-weights first. `transformers`' `AutoModelForCausalLM.from_pretrained(out)`
-loads the result.
+weights first. The run's tokenizer (`config.data.tokenizer`, else the model directory it
+started from) is copied beside the weights with its chat template, and
+`generation_config.json` names its EOS. `transformers`'
+`AutoModelForCausalLM.from_pretrained(out)` and `AutoTokenizer.from_pretrained(out)` load
+the result.
 """
 
 from __future__ import annotations
@@ -51,9 +54,11 @@ def run_config(workdir: str, config_path: str | None) -> dict[str, Any]:
 
 
 def export_checkpoint(workdir: str, out: str, *, step: int = -1, member: int = -1,
-                      config: dict[str, Any], dtype: str = "float32") -> list[str]:
-  """Exports checkpoint `step` of `workdir` (member `member` of an ensemble) to `out`;
-  returns the HF tensor names written.
+                      config: dict[str, Any], dtype: str = "float32",
+                      tokenizer: str | None = None) -> list[str]:
+  """Exports checkpoint `step` of `workdir` (member `member` of an ensemble) to `out`, with
+  the tokenizer (`tokenizer`, else the run's, where its files still exist:
+  `write_tokenizer`); returns the HF tensor names written.
 
   Raises:
     ValueError: no checkpoint, an ensemble without `member`, a model of no mapped family,
@@ -83,7 +88,55 @@ def export_checkpoint(workdir: str, out: str, *, step: int = -1, member: int = -
   if spec.get("base_dtype") in quantized_base.QTYPES:  # The dequantized base, then adapters.
     values = quantized_base.dequantized_values(values, spec["base_dtype"])
   values = lora.merged(values, spec)
-  return hf.export(values, model, out, dtype=dtype)
+  names = hf.export(values, model, out, dtype=dtype)
+  tokenizer = tokenizer or _run_tokenizer(config)
+  if tokenizer:
+    write_tokenizer(tokenizer, out)
+  return names
+
+
+#: A tokenizer's files that go with an exported model, as `save_pretrained` writes them.
+TOKENIZER_FILES = ("tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
+
+
+def _run_tokenizer(config: dict[str, Any]) -> str | None:
+  """The run's tokenizer (`config.data.tokenizer`, else `config.init_from.path`), where it
+  still holds a `tokenizer.json`; None otherwise."""
+  for path in (config.get("data", {}).get("tokenizer"), config.get("init_from", {}).get("path")):
+    if path and os.path.isfile(os.path.join(path, "tokenizer.json") if os.path.isdir(path)
+                               else path):
+      return path
+  return None
+
+
+def write_tokenizer(tokenizer: str, out: str) -> list[str]:
+  """Copies a tokenizer (a `tokenizer.json`, or the directory holding it) into `out`, with
+  the files beside it (`TOKENIZER_FILES`), and writes `generation_config.json`: the source
+  directory's, else one naming the tokenizer's BOS and EOS, so that `transformers`'
+  `generate` stops where this project's does. Returns the files written."""
+  import shutil
+
+  from trainer.data.corpus import Tokenizer
+  tok = Tokenizer(tokenizer)
+  os.makedirs(out, exist_ok=True)
+  written = []
+  for name, source in [("tokenizer.json", tok.path), *(
+      (name, os.path.join(tok.directory, name)) for name in TOKENIZER_FILES)]:
+    target = os.path.join(out, name)
+    if os.path.isfile(source) and os.path.abspath(source) != os.path.abspath(target):
+      shutil.copyfile(source, target)
+      written.append(name)
+  generation = {}
+  source = os.path.join(tok.directory, "generation_config.json")
+  if os.path.isfile(source):
+    with open(source) as f:
+      generation = json.load(f)
+  for key, value in (("bos_token_id", tok.bos_id), ("eos_token_id", tok.eos_id)):
+    if generation.get(key) is None and value is not None:
+      generation[key] = value
+  with open(os.path.join(out, "generation_config.json"), "w") as f:
+    json.dump(generation, f, indent=2)
+  return [*written, "generation_config.json"]
 
 
 def main(argv):
@@ -100,7 +153,7 @@ def main(argv):
   except ValueError as e:
     sys.exit(f"trainer.export: {e}")
   print(f"wrote {len(names)} tensors to {os.path.join(FLAGS.out, 'model.safetensors')} "
-        f"and {os.path.join(FLAGS.out, 'config.json')}")
+        f"and {os.path.join(FLAGS.out, 'config.json')}, and the tokenizer's files")
 
 
 if __name__ == "__main__":

@@ -171,10 +171,9 @@ class HarnessLM(_TemplateLM):
     return 0
 
   def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs):
-    ids = self.tok.tokenizer.encode(string, add_special_tokens=False).ids
-    if self.tok.add_bos and add_special_tokens is not False:
-      ids = [self.tok.bos_id, *ids]
-    return ids
+    if add_special_tokens is False:
+      return self.tok.tokenizer.encode(string, add_special_tokens=False).ids
+    return self.tok.encode_text(string)
 
   def tok_decode(self, ids) -> str:
     return self.tok.tokenizer.decode(list(ids), skip_special_tokens=True)

@@ -1,8 +1,9 @@
 """Instruction data rendered with a model's chat template, and which characters are the
 assistant's (what the loss trains on).
 
-A Hugging Face model directory's `tokenizer_config.json` holds `chat_template`, a Jinja2
-template. It is rendered as `transformers`' `apply_chat_template` renders it: a sandboxed
+A Hugging Face model directory holds its chat template, a Jinja2 template, in
+`chat_template.jinja` (`transformers` 5) or as `tokenizer_config.json`'s `chat_template`.
+It is rendered as `transformers`' `apply_chat_template` renders it: a sandboxed
 environment with `trim_blocks` and `lstrip_blocks`, `raise_exception` and `strftime_now`,
 a `tojson` that keeps non-ASCII text, and the tokenizer's special tokens as variables
 (`bos_token`, `eos_token`, ...).
@@ -55,6 +56,23 @@ class ChatTemplate:
     self.special_tokens = dict(special_tokens)
 
   @classmethod
+  def from_directory(cls, directory: str, settings: Mapping) -> ChatTemplate:
+    """A model directory's template, where `transformers` reads it: `chat_template.jinja`
+    (what `save_pretrained` writes since `transformers` 5), else `tokenizer_config.json`'s
+    `chat_template` (`settings`, that file's contents); its special tokens from `settings`.
+
+    Raises:
+      ChatError: the directory holds neither.
+    """
+    import os
+    jinja = os.path.join(directory, "chat_template.jinja")
+    if os.path.isfile(jinja):
+      with open(jinja, encoding="utf-8") as f:
+        settings = {**settings, "chat_template": f.read()}
+      return cls.from_tokenizer_config(settings, jinja)
+    return cls.from_tokenizer_config(settings, os.path.join(directory, "tokenizer_config.json"))
+
+  @classmethod
   def from_tokenizer_config(cls, settings: Mapping, where: str) -> ChatTemplate:
     """The template and special tokens of a `tokenizer_config.json`'s contents.
 
@@ -66,8 +84,9 @@ class ChatTemplate:
       named = {t.get("name"): t.get("template") for t in template}
       template = named.get("default")
     if not isinstance(template, str):
-      raise ChatError(f"{where} has no chat_template; instruction data "
-                      f"(config.data.chat=True) is rendered with the model's chat template.")
+      raise ChatError(f"{where} has no chat_template, and no chat_template.jinja is beside "
+                      f"it; chat records (lists of turns, or config.data.chat=True) are "
+                      f"rendered with the model's chat template.")
     tokens = {}
     for key, value in settings.items():
       if key.endswith("_token") and isinstance(value, (str, dict)):

@@ -62,7 +62,8 @@ DIRECTORY_ENDINGS = (".jsonl", ".jsonl.gz", ".parquet", ".array_record")
 BAD_RECORDS = ("stop", "skip")
 #: The kinds of bad record, as counted under `bad_records="skip"`.
 BAD_KINDS = ("malformed", "missing_field", "not_utf8", "empty", "schema", "missing_chat",
-             "missing_pair", "empty_response", "too_long", "missing_prompt")
+             "missing_pair", "empty_response", "too_long", "missing_prompt",
+             "record_too_long")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,10 +120,11 @@ class Tokenizer:
     path: a `tokenizer.json`, or a Hugging Face model directory holding one (with its
       `tokenizer_config.json` and `generation_config.json`, which say which BOS/EOS it
       adds).
-    add_bos, add_eos: None: as the model directory says (`add_bos_token` in
-      `tokenizer_config.json`, default false; EOS at each document's end whenever the
-      tokenizer has one, so a packed row's documents end as they did in pretraining);
-      True/False to override.
+    add_bos, add_eos: None: as the model directory says, as `transformers`'
+      `AutoTokenizer` reads it: BOS where `tokenizer_config.json` sets `add_bos_token`,
+      else where `tokenizer.json`'s post-processor adds it (Llama 3's does, with no
+      `add_bos_token`); EOS at each document's end whenever the tokenizer has one, so a
+      packed row's documents end as they did in pretraining. True/False to override.
   """
 
   def __init__(self, path: str, *, add_bos: bool | None = None, add_eos: bool | None = None):
@@ -141,7 +143,12 @@ class Tokenizer:
     generation = _read_json(os.path.join(directory, "generation_config.json"))
     self.bos_id = self._special(settings.get("bos_token"), generation.get("bos_token_id"))
     self.eos_id = self._special(settings.get("eos_token"), generation.get("eos_token_id"))
-    want_bos = bool(settings.get("add_bos_token", False)) if add_bos is None else add_bos
+    if add_bos is not None:
+      want_bos = add_bos
+    elif "add_bos_token" in settings:
+      want_bos = bool(settings["add_bos_token"])
+    else:
+      want_bos = self._post_processor_adds_bos()
     want_eos = (self.eos_id is not None) if add_eos is None else add_eos
     for name, want, token in (("BOS", want_bos, self.bos_id), ("EOS", want_eos, self.eos_id)):
       if want and token is None:
@@ -151,18 +158,36 @@ class Tokenizer:
     self.add_bos, self.add_eos = want_bos, want_eos
     self.vocab_size = self.tokenizer.get_vocab_size()
     self.settings, self.settings_path = settings, os.path.join(directory, "tokenizer_config.json")
+    self.directory = directory
     self._chat = None
 
+  def _post_processor_adds_bos(self) -> bool:
+    """Whether `tokenizer.json`'s post-processor puts BOS before a text (as `tokenizers`'
+    `encode(..., add_special_tokens=True)` and `AutoTokenizer` apply it)."""
+    if self.bos_id is None:
+      return False
+    plain = self.tokenizer.encode("a", add_special_tokens=False).ids
+    special = self.tokenizer.encode("a", add_special_tokens=True).ids
+    return len(special) > len(plain) and special[0] == self.bos_id
+
   def chat_template(self):
-    """The model's chat template (`trainer.data.chat.ChatTemplate`).
+    """The model's chat template (`trainer.data.chat.ChatTemplate`): the directory's
+    `chat_template.jinja` (where `transformers` 5's `save_pretrained` writes it), else
+    `tokenizer_config.json`'s `chat_template`.
 
     Raises:
-      ChatError: `tokenizer_config.json` holds none.
+      ChatError: the directory holds neither.
     """
     if self._chat is None:
       from trainer.data.chat import ChatTemplate
-      self._chat = ChatTemplate.from_tokenizer_config(self.settings, self.settings_path)
+      self._chat = ChatTemplate.from_directory(self.directory, self.settings)
     return self._chat
+
+  def encode_text(self, text: str) -> list[int]:
+    """A text's ids as `AutoTokenizer` gives them (a prompt's: BOS as the tokenizer adds
+    it, no EOS)."""
+    ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+    return ([self.bos_id] if self.add_bos else []) + ids
 
   def encode_chat(self, messages) -> tuple[np.ndarray, np.ndarray]:
     """A conversation rendered with the chat template and tokenized as rendered (the template
@@ -183,8 +208,8 @@ class Tokenizer:
     return token_id if isinstance(token_id, int) else None
 
   def __call__(self, text: str) -> np.ndarray:
-    ids = self.tokenizer.encode(text, add_special_tokens=False).ids
-    ids = ([self.bos_id] if self.add_bos else []) + ids + ([self.eos_id] if self.add_eos else [])
+    """A document's ids: `encode_text`'s, and EOS where the tokenizer adds it."""
+    ids = self.encode_text(text) + ([self.eos_id] if self.add_eos else [])
     return np.asarray(ids, np.int32)
 
   def __getstate__(self):  # Grain's worker processes get the tokenizer by pickling.

@@ -74,7 +74,8 @@ def train_tokenizer(documents: Iterable[str], out: str, *, vocab_size: int,
     vocab_size: tokens in all, the special ones included.
     bos, eos: the special tokens that bracket a document (`config.data.add_bos`/`add_eos`
       follow the written `tokenizer_config.json`).
-    add_bos: whether a document starts with BOS (`add_bos_token`).
+    add_bos: whether a document starts with BOS (`add_bos_token`, and the post-processor
+      that `transformers`' `AutoTokenizer` applies).
     template: "" (none), a name of `CHAT_TEMPLATES`, or a Jinja2 file.
     min_frequency: the fewest occurrences a merge needs.
 
@@ -82,7 +83,7 @@ def train_tokenizer(documents: Iterable[str], out: str, *, vocab_size: int,
     CorpusError: a vocabulary too small for the bytes and the special tokens, no
       documents, or an unknown chat template; before anything is written.
   """
-  from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+  from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
   text, chat_specials = chat_template(template) if template else ("", ())
   specials = list(dict.fromkeys([bos, eos, *chat_specials]))
@@ -105,6 +106,10 @@ def train_tokenizer(documents: Iterable[str], out: str, *, vocab_size: int,
   if not count[0]:
     raise CorpusError("no documents to train the tokenizer on: the files hold no record with "
                       "the text field.")
+  if add_bos:  # In the post-processor too, as Llama's: `AutoTokenizer` adds it from there.
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
+        special_tokens=[(bos, tokenizer.token_to_id(bos))])
   os.makedirs(out, exist_ok=True)
   tokenizer.save(os.path.join(out, "tokenizer.json"))
   settings = {"bos_token": bos, "eos_token": eos, "add_bos_token": add_bos,

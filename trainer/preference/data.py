@@ -97,8 +97,7 @@ class PairEncoder:
   # -- Tokens ------------------------------------------------------------------------------
 
   def _text_ids(self, text: str) -> list[int]:
-    ids = self.tokenizer.tokenizer.encode(text, add_special_tokens=False).ids
-    return ([self.tokenizer.bos_id] if self.tokenizer.add_bos else []) + ids
+    return self.tokenizer.encode_text(text)
 
   def _rendered_ids(self, messages, *, add_generation_prompt: bool = False) -> list[int]:
     text = self.tokenizer.chat_template().render(messages,
