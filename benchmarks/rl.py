@@ -145,7 +145,7 @@ def measure(args) -> dict[str, float]:
   new, counts, _ = jax.device_get(out[0])
   host = jax.device_get(repeated)
   figures["rewards"] = median_seconds(lambda: trainer._host_rewards(  # noqa: SLF001
-      host["tokens"], host["lengths"], new, counts), args)
+      host["tokens"], host["lengths"], None, new, counts, 0, group=1), args)
   # The updates' batch as the step builds it (its rollouts, advantages and log-probs), in
   # the batch's layout.
   update = strategy.put_batch(jax.device_get(strategy.compile_eval_step(
@@ -179,8 +179,8 @@ def measure(args) -> dict[str, float]:
   def two_state_loop():
     sampler[0] = sampler[0].replace(params=copy(holder[0].params))  # The weights' sync.
     new, counts, _ = jax.device_get(generate(sampler[0], repeated))
-    total, _ = trainer._host_rewards(host["tokens"], host["lengths"], new,  # noqa: SLF001
-                                     counts)
+    total, _ = trainer._host_rewards(host["tokens"], host["lengths"], None,  # noqa: SLF001
+                                     new, counts, 0, group=1)
     advantages = losses_lib.group_advantages(jnp.asarray(total), rl.num_generations)
     batch = dict(update)  # The rollout's rows (same shapes), its rewards and log-probs.
     batch[rl_trainer.ADVANTAGES] = strategy.put_batch(np.asarray(advantages))

@@ -45,6 +45,9 @@ def rl_fields() -> ml_collections.ConfigDict:
       top_k=0,
       top_p=1.0,
       prompt_field="prompt",
+      # A record's bytes as JSON, at most: each row carries its whole record, whose other
+      # fields the rewards get as keyword arguments (an answer, a test case).
+      max_record_bytes=4096,
       # "package.module:function" or "path/to/file.py:function" (trainer.rl.rewards).
       rewards=(),
       reward_weights=(),  # One per reward; empty: 1 each.

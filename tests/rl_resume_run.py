@@ -1,7 +1,7 @@
 """An RL run (`configs/rl.py:addition`, tiny) with checkpoints, for the SIGKILL resume test.
 
     RL_ROLLOUT_LOG=rollouts.jsonl python tests/rl_resume_run.py --workdir=W --out=final.npz \
-        [--kill_at=S | --kill_after_save_at=S]
+        [--kill_at=S | --kill_after_save_at=S] [--reward=module:function ...]
 
 Trains 8 steps under FSDP on 8 host devices, checkpointing every 4 steps and resuming from
 `W/checkpoints` when it holds one; each step's rollouts (prompt and completion ids) are
@@ -52,6 +52,8 @@ def main():
   parser.add_argument("--out", required=True)
   parser.add_argument("--kill_at", type=int, default=-1)
   parser.add_argument("--kill_after_save_at", type=int, default=-1)
+  parser.add_argument("--reward", action="append", default=[],
+                      help="A reward function to add (import path).")
   args = parser.parse_args()
   logging.getLogger().setLevel(logging.INFO)
   for noisy in ("absl", "jax", "orbax"):
@@ -59,6 +61,7 @@ def main():
   from trainer.rl import RLTrainer
   from trainer.rl import data as rl_data
   config = config_for(os.path.join(args.workdir, "task"))
+  config.rl.rewards = (*config.rl.rewards, *args.reward)
   trainer = RLTrainer(config)
   checkpointer = KillingCheckpointer(os.path.join(args.workdir, "checkpoints"), every_steps=4,
                                      async_save=False)

@@ -5,20 +5,33 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import rl_setup
+from rl_setup import ROOT, rl_config
+
+from trainer import metrics as metrics_lib
 from trainer.rl import losses, rewards
+
+
+def _call(completions, completion_ids=None, **fields):
+  """A reward call's arguments on text prompts `q` with `fields` (one value each)."""
+  records = [{"prompt": "q", **{k: v[i] for k, v in fields.items()}}
+             for i in range(len(completions))]
+  return rewards.arguments(records, completions, prompt_field="prompt",
+                           prompt_ids=[[1]] * len(completions),
+                           completion_ids=completion_ids or [[2]] * len(completions))
 
 
 def test_rewards_are_weighted_and_kept_per_function():
   funcs = rewards.load(["rl_rewards:length", "rl_rewards.says_yes"], (0.5, 2.0))
-  total, each = rewards.score(funcs, prompts=["q"] * 3, completions=["yes", "no", "yes!"],
-                              prompt_ids=[[1]] * 3, completion_ids=[[2], [3], []])
-  assert each == {"rl_rewards:length": [3.0, 2.0, 4.0], "rl_rewards.says_yes": [1.0, 0.0, 0.0]}
+  total, each = rewards.score(funcs, _call(["yes", "no", "yes!"], [[2], [3], []]))
+  assert each == {"length": [3.0, 2.0, 4.0], "says_yes": [1.0, 0.0, 0.0]}
   assert total == [0.5 * 3 + 2.0, 0.5 * 2, 0.5 * 4]
 
 
 @pytest.mark.parametrize("specs,weights,match", [
     ((), (), r"config\.rl\.rewards=\(\) names no reward function"),
-    (("rl_rewards:missing",), (), r"cannot import the reward function 'rl_rewards:missing'"),
+    (("rl_rewards:missing",), (), r"'rl_rewards:missing': the module rl_rewards has no "
+                                  r"'missing'; name one of its functions \(a_string, a_word"),
     (("no_such_module:f",), (), r"cannot import the reward function 'no_such_module:f'"),
     (("rl_rewards:NOT_CALLABLE",), (), r"'rl_rewards:NOT_CALLABLE' is a int, not a function"),
     (("rl_rewards:length",), (1.0, 2.0), r"has 2 weights for 1 reward functions"),
@@ -30,14 +43,18 @@ def test_a_reward_that_cannot_be_loaded_is_refused_naming_it(specs, weights, mat
 
 
 @pytest.mark.parametrize("name,match", [
-    ("not_a_number", r"'rl_rewards:not_a_number' returned nan for completion 0 \('a'\)"),
-    ("too_few", r"'rl_rewards:too_few' returned 1 values for 2 completions"),
+    ("not_a_number", r"'not_a_number' \(rl_rewards:not_a_number\) returned nan for "
+                     r"completion 0 \('a'\); it must return one number \(or None: not "
+                     r"applicable\) per completion, 2 in all, each finite"),
+    ("too_few", r"'too_few' \(rl_rewards:too_few\) returned 1 values for 2 completions"),
+    ("a_string", r"'a_string' \(rl_rewards:a_string\) returned 'ab'; it must return a list "
+                 r"of one number"),
+    ("a_word", r"'a_word' \(rl_rewards:a_word\) returned 'no' for completion 1 \('b'\)"),
 ])
 def test_a_reward_that_returns_other_than_a_finite_number_each_is_refused(name, match):
   funcs = rewards.load([f"rl_rewards:{name}"])
-  with pytest.raises(ValueError, match=match):
-    rewards.score(funcs, prompts=["p", "p"], completions=["a", "b"], prompt_ids=[[1], [1]],
-                  completion_ids=[[2], [3]])
+  with pytest.raises(rewards.RewardError, match=match):
+    rewards.score(funcs, _call(["a", "b"]))
 
 
 def test_each_loss_type_is_the_mean_of_its_per_sequence_losses():
@@ -61,32 +78,9 @@ def test_a_group_of_one_and_an_unknown_scale_are_refused():
 
 # -- The trainer: a step's rollouts and updates -----------------------------------------
 
-ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
-
-
 @pytest.fixture(scope="module")
 def task(tmp_path_factory):
-  import sys
-  sys.path.insert(0, str(ROOT / "examples"))  # rl_tasks: the addition task's reward.
-  import rl_tasks
-  return rl_tasks.write_addition(str(tmp_path_factory.mktemp("rl_task")))
-
-
-def rl_config(task, layout="single_device", **overrides):
-  from configs import lm, rl
-  config = rl.get_config("addition")
-  prompts, tokenizer = task
-  config.data.update(sources=(prompts,), eval_sources=(prompts,), tokenizer=tokenizer,
-                     workers=0, lanes=1)
-  config.update(batch_size=8, eval_batch_size=8, num_train_steps=4, log_every_steps=1000)
-  config.rl.num_generations = 4
-  config.rl.rewards = (f"{ROOT / 'examples' / 'rl_tasks.py'}:correct_sum",)
-  if layout != "single_device":
-    shape, axes, rules = lm.LAYOUTS[layout]
-    config.strategy.update(name="sharded_data_parallel", mesh_shape=shape, mesh_axes=axes,
-                           logical_axis_rules=rules)
-  config.update_from_flattened_dict(overrides)
-  return config
+  return rl_setup.write_task(tmp_path_factory.mktemp("rl_task"))
 
 
 @pytest.mark.parametrize("layout", ["single_device", "fsdp", "data_tensor"])
@@ -102,9 +96,9 @@ def test_the_rollout_and_the_first_update_share_their_log_probs(task, layout):
   new, outputs = trainer.compiled.train(state)(state, trainer.strategy.put_batch(
       next(stream())))
   import jax
-  metrics = {k: float(v) for k, v in jax.device_get(outputs["metrics"]).compute().items()}
+  metrics = metrics_lib.scalars(jax.device_get(outputs["metrics"]))
   assert metrics["on_policy_gap"] <= 1e-6
-  assert metrics["completion_length"] == 1.0
+  assert metrics["completions/mean_length"] == 1.0
   assert 0.0 <= metrics["reward"] <= 1.0
   assert abs(metrics["kl"]) <= 1e-6  # The policy is its reference at the first step.
   assert int(new.step) == 1
@@ -270,7 +264,11 @@ def test_the_dry_run_shows_the_rollout_cache_and_the_update_per_device(task):
      r"the model's config\.model\.max_len=8"),
     ({"rl.loss": "ppo"}, r"config\.rl\.loss='ppo' is not one of \('grpo', 'dr_grpo', 'dapo'\)"),
     ({"rl.rewards": ("examples/rl_tasks.py:nothing_here",)},
-     r"cannot import the reward function 'examples/rl_tasks.py:nothing_here'"),
+     r"'examples/rl_tasks.py:nothing_here': the file examples/rl_tasks.py has no "
+     r"'nothing_here'; name one of its functions \(addition_prompts, correct_sum"),
+    ({"rl.rewards": ("examples/no_such_file.py:score",)},
+     r"cannot import the reward function 'examples/no_such_file.py:score' \(no file "
+     r".*examples/no_such_file.py\)"),
     ({"strategy.name": "pmap_data_parallel"}, r"RL generates its rollouts in the train step: "
                                               r"it runs under single_device, "
                                               r"sharded_data_parallel .* or, for a sweep, "

@@ -143,6 +143,15 @@ def test_advantages_are_trls():
   close(losses.group_advantages(jnp.asarray(REWARDS), G), theirs.numpy(), "group")
   close(losses.group_advantages(jnp.asarray(REWARDS), G, scale="none"),
         (rewards - grouped.mean(1).repeat_interleave(G)).numpy(), "none")
+  # Completions without a reward (None from every function: NaN), as TRL leaves them out.
+  from trl.trainer.utils import nanstd
+  unscored = REWARDS.copy()
+  unscored[[1, 5, 6, 12, 13, 14, 15]] = np.nan
+  rewards = torch.tensor(unscored)
+  grouped = rewards.view(-1, G)
+  theirs = torch.nan_to_num((rewards - torch.nanmean(grouped, 1).repeat_interleave(G)) / (
+      nanstd(grouped, dim=1).repeat_interleave(G) + 1e-4), nan=0.0)
+  close(losses.group_advantages(jnp.asarray(unscored), G), theirs.numpy(), "group, None")
 
 
 @pytest.mark.parametrize("loss_type,beta,family,layout", [
@@ -166,3 +175,68 @@ def test_loss_and_gradients_equal_trls_compute_loss(loss_type, beta, family, lay
   assert any(np.abs(g).max() > 1e-4 for g in their_grads.values())
   for name, g in grads.items():
     close(g, their_grads[name], f"{loss_type}: d loss / d {name}")
+
+
+def _trl_trainer(directory, tmp_path, reward_funcs, reward_weights=None):
+  from datasets import Dataset
+  from trl import GRPOConfig, GRPOTrainer
+
+  args = GRPOConfig(output_dir=str(tmp_path / "trl"), report_to="none", use_cpu=True,
+                    bf16=False, num_generations=G, per_device_train_batch_size=G,
+                    reward_weights=reward_weights)
+  return GRPOTrainer(
+      model=transformers.AutoModelForCausalLM.from_pretrained(str(directory / "policy")),
+      reward_funcs=reward_funcs, args=args,
+      train_dataset=Dataset.from_list([{"prompt": "a"}] * G),
+      processing_class=transformers.AutoTokenizer.from_pretrained(str(directory / "policy")))
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_reward_functions_get_trls_arguments_and_none_is_trls(chat, models, tmp_path):
+  """The keyword arguments TRL's `_calculate_rewards` passes a reward function, for records
+  with more fields than the prompt (text or a conversation), are `rewards.arguments`' (less
+  TRL's `log_extra`/`log_metric` callbacks and its state object), and a reward's None is
+  left out of the weighted total as TRL leaves it (a NaN-aware sum; NaN where every
+  function returned None)."""
+  from trainer.rl import rewards
+  records = [{"prompt": [{"role": "user", "content": "2+3="}] if chat else "2+3=",
+              "answer": "5", "level": 3, "meta": {"source": "a", "tags": [1, 2]}},
+             {"prompt": [{"role": "user", "content": "1+1="}] if chat else "1+1=",
+              "answer": "2", "level": 1, "meta": {"source": "b", "tags": []}}]
+  inputs = [r for r in records for _ in range(G)]
+  texts = ["5", "x", "", "5 ", "2", "", "1", "22"]
+  completion_ids = [[5], [6], [], [5, 7], [8], [], [9], [8, 8]]
+  seen = []
+
+  def recorder(**kwargs):
+    seen.append(kwargs)
+    return [float(len(c)) if c else None for c in kwargs["completion_ids"]]
+
+  def digits_only(completions, **_):
+    text = [c[0]["content"] if chat else c for c in completions]
+    return [1.0 if t.strip().isdigit() else None for t in text]
+
+  def never(completions, **_):
+    return [None if i == 2 or i == 5 else 0.5 for i in range(len(completions))]
+
+  trainer = _trl_trainer(models / "gpt2", tmp_path, [recorder, digits_only, never],
+                         [1.0, 2.0, 0.5])
+  completions = [[{"role": "assistant", "content": t}] for t in texts] if chat else texts
+  theirs = trainer._calculate_rewards(inputs, [r["prompt"] for r in inputs], completions,
+                                      completion_ids).numpy()
+  ours = rewards.arguments(inputs, texts, prompt_field="prompt",
+                           prompt_ids=[[1, 2]] * len(inputs), completion_ids=completion_ids)
+  trl_kwargs = {k: v for k, v in seen[0].items() if k not in ("log_extra", "log_metric",
+                                                              "trainer_state")}
+  assert trl_kwargs == {k: v for k, v in ours.items() if k not in ("prompt_ids",
+                                                                  "trainer_state")}
+  funcs = [rewards.Reward("recorder", recorder, 1.0, "recorder"),
+           rewards.Reward("digits_only", digits_only, 2.0, "digits_only"),
+           rewards.Reward("never", never, 0.5, "never")]
+  total, each = rewards.score(funcs, ours)
+  np.testing.assert_array_equal(np.asarray([each[f.name] for f in funcs]).T, theirs)
+  weights = torch.tensor([1.0, 2.0, 0.5])
+  trl_total = (torch.tensor(theirs) * weights).nansum(1)
+  trl_total[torch.isnan(torch.tensor(theirs)).all(1)] = torch.nan
+  np.testing.assert_array_equal(np.asarray(total, np.float32), trl_total.numpy())
+  assert np.isnan(total).sum() == 2  # Completions 2 and 5: no function applies.

@@ -19,6 +19,7 @@ import numpy as np
 from strategies import Strategy
 from trainer import metrics as metrics_lib
 from trainer.step.functions import CompiledSteps, batch_size_of
+from trainer.step.host_calls import HostCalls
 
 Batch = Mapping[str, Any]
 PyTree = Any
@@ -65,16 +66,20 @@ class Evaluator:
     strategy: places each process's rows of a chunk and brings results back.
     compiled: the Trainer's compiled steps.
     eval_batch_size: examples per chunk (any positive size).
+    host_calls: the host functions the steps call; the first error one raised is raised
+      once a pass's outputs are ready (`trainer.step.host_calls`).
 
   Raises:
     ValueError: `eval_batch_size` is not a positive integer.
   """
 
-  def __init__(self, strategy: Strategy, compiled: CompiledSteps, eval_batch_size: int):
+  def __init__(self, strategy: Strategy, compiled: CompiledSteps, eval_batch_size: int, *,
+               host_calls: HostCalls | None = None):
     if not isinstance(eval_batch_size, int) or eval_batch_size < 1:
       raise ValueError(f"config.eval_batch_size={eval_batch_size!r} must be a positive "
                        f"integer (any size: eval batches are padded to split evenly).")
     self.strategy, self.compiled, self.eval_batch_size = strategy, compiled, eval_batch_size
+    self.host_calls = host_calls
     unit = strategy.batch_multiple  # The data replicas (times a pipeline's microbatches).
     self._padded_size = -(-eval_batch_size // unit) * unit
     self._traced = False
@@ -180,7 +185,13 @@ class Evaluator:
         wait_for_previous_call(outputs)
     if not outputs:
       raise ValueError("evaluate() got no eval batches (an empty iterable).")
+    self._raise_host_error(outputs)
     return outputs
+
+  def _raise_host_error(self, outputs: list) -> None:
+    if self.host_calls is not None and outputs:
+      jax.block_until_ready(outputs[-1])  # Its host calls, and every earlier one, ran.
+      self.host_calls.raise_if_failed()
 
   def predict(self, state, batch: Batch) -> np.ndarray:
     """Host predictions for a batch of any size (ensemble means for ensembles)."""
@@ -190,6 +201,7 @@ class Evaluator:
       outputs.append(step_fn(state, self._put(chunk)))
       sizes.append(real)
       wait_for_previous_call(outputs)
+    self._raise_host_error(outputs)
     parts = [jax.tree.map(lambda x, n=real: x[:n], self.strategy.outputs_to_host(out))
              for out, real in zip(outputs, sizes, strict=True)]
     return jax.tree.map(lambda *xs: np.concatenate(xs), *parts)

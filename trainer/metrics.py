@@ -19,6 +19,22 @@ class LossMetrics(metrics.Collection):
   loss: metrics.Average.from_output("loss")
 
 
+@flax.struct.dataclass
+class NanAverage(metrics.Average):
+  """The average of the values that are not NaN, among those the `mask` keeps (an RL
+  reward that applies to some completions only, a step whose reward std is undefined)."""
+
+  @classmethod
+  def from_model_output(cls, values: jax.Array, mask: jax.Array | None = None, **_
+                        ) -> "NanAverage":
+    values = jnp.atleast_1d(jnp.asarray(values, jnp.float32))
+    keep = ~jnp.isnan(values)
+    if mask is not None:
+      mask = jnp.asarray(mask, bool)
+      keep = keep & mask.reshape(mask.shape + (1,) * (values.ndim - mask.ndim))
+    return super().from_model_output(jnp.where(keep, values, 0.0), mask=keep)
+
+
 @functools.cache
 def moe_train_metrics(num_experts: int) -> type[metrics.Collection]:
   """The loss and a mixture of experts' router metrics (`models.moe.summarize`): the
@@ -154,6 +170,21 @@ class EnsembleEvalMetrics(metrics.Collection):
   disagreement: metrics.Average.from_output("disagrees")
 
 
+#: A metric field named `a__b` is reported as `a/b`: the names other libraries log (TRL's
+#: `completions/mean_length`) hold slashes, which a collection's field name cannot.
+GROUP_SEPARATOR = "__"
+
+
+def reported_name(field: str) -> str:
+  """The name a metric field is reported under (`GROUP_SEPARATOR`)."""
+  return field.replace(GROUP_SEPARATOR, "/")
+
+
+def field_name(name: str) -> str:
+  """The collection field of a reported metric name (`reported_name`'s inverse)."""
+  return name.replace("/", GROUP_SEPARATOR)
+
+
 def scalars(collection: metrics.Collection) -> dict[str, float]:
-  """Computed metric values as plain Python floats."""
-  return {k: float(v) for k, v in collection.compute().items()}
+  """Computed metric values as plain Python floats, under their reported names."""
+  return {reported_name(k): float(v) for k, v in collection.compute().items()}

@@ -49,13 +49,17 @@ class FiniteCheck:
     which_models: names the members whose flags are False (ensembles).
     saved_note: says which checkpoint is the last finite state, for the error.
     steps_axis: where a call's flags hold its steps; None: a call runs one step.
+    host_error: raises the first error of a host function the steps called
+      (`trainer.step.host_calls`), which made that call's flags False: checked once a
+      call's flags are on the host, before they are.
   """
 
   def __init__(self, *, skip: bool, to_host: Callable[[Any], Any],
                which_models: Callable[[np.ndarray], str], saved_note: Callable[[], str],
-               steps_axis: int | None = None):
+               steps_axis: int | None = None, host_error: Callable[[], None] | None = None):
     self.skip, self.to_host, self.which_models = skip, to_host, which_models
     self.saved_note, self.steps_axis = saved_note, steps_axis
+    self.host_error = host_error or (lambda: None)
     self._unchecked: list[tuple[int, Any]] = []
     #: The steps whose updates were left out so far (`skip`).
     self.skipped_at: list[int] = []
@@ -75,6 +79,7 @@ class FiniteCheck:
     while self._unchecked:
       last, flag = self._unchecked.pop(0)
       ok = np.asarray(self.to_host(flag))
+      self.host_error()
       if ok.all():
         continue
       per_step = (ok.reshape(1, -1) if self.steps_axis is None

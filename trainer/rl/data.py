@@ -1,17 +1,21 @@
 """Prompts through the corpus pipeline: one prompt a row, for RL's rollouts.
 
 A record holds a prompt (`config.rl.prompt_field`): text, tokenized as the corpus
-tokenizes (BOS where the model directory says `add_bos_token`, no EOS), or a list of
-turns rendered by the weights' chat template with the generation prompt. A row holds
-`prompt_ids` (`[config.rl.max_prompt_length]`, right-padded) and `prompt_lengths`. A
-record without the field, or whose prompt is longer than the row, is a bad record, named
-by file and line or skipped and counted (`config.data.bad_records`), as the corpus's are.
-The rows stream, mix and resume exactly on any number of processes as documents do
-(`trainer.data.lm`).
+tokenizes (BOS as the tokenizer adds it, no EOS), or a list of turns rendered by the
+weights' chat template with the generation prompt. A row holds `prompt_ids`
+(`[config.rl.max_prompt_length]`, right-padded), `prompt_lengths` and `record`: the
+whole record as UTF-8 JSON, zero-padded to `config.rl.max_record_bytes`, which the
+rewards get back (`records_of`): its prompt as written, and every other field as a
+keyword argument, as TRL passes a dataset's columns. A record without the field, whose
+prompt is longer than the row, or whose JSON is longer than `max_record_bytes`, is a bad
+record, named by file and line or skipped and counted (`config.data.bad_records`), as
+the corpus's are. The rows stream, mix and resume exactly on any number of processes as
+documents do (`trainer.data.lm`).
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from typing import Any
 
@@ -21,26 +25,46 @@ import numpy as np
 from trainer.data import lm
 from trainer.data.corpus import Tokenizer
 
-PROMPT_IDS, PROMPT_LENGTHS = "prompt_ids", "prompt_lengths"
+PROMPT_IDS, PROMPT_LENGTHS, RECORD = "prompt_ids", "prompt_lengths", "record"
+
+
+def _plain(value: Any) -> Any:
+  """A Parquet value JSON can hold (numpy scalars and arrays as numbers and lists)."""
+  return value.tolist() if hasattr(value, "tolist") else str(value)
+
+
+def record_bytes(record: Mapping[str, Any]) -> bytes:
+  """A record as the UTF-8 JSON a row holds."""
+  return json.dumps(dict(record), ensure_ascii=False, default=_plain).encode("utf-8")
+
+
+def records_of(rows: np.ndarray) -> list[dict[str, Any]]:
+  """The records of a batch's `record` rows (`[rows, max_record_bytes]` uint8)."""
+  rows = np.asarray(rows, np.uint8)
+  return [json.loads(bytes(row).rstrip(b"\0").decode("utf-8")) for row in rows]
 
 
 class PromptEncoder:
   """A prompt record as one row (`corpus.ShardIterator`'s `encode`)."""
 
-  def __init__(self, tokenizer: Tokenizer, *, length: int, field: str = "prompt"):
+  def __init__(self, tokenizer: Tokenizer, *, length: int, field: str = "prompt",
+               record_length: int = 4096):
     self.tokenizer, self.length, self.field = tokenizer, length, field
+    self.record_length = record_length
     self.pad_id = tokenizer.eos_id if tokenizer.eos_id is not None else 0
 
   def describe(self, kind: str) -> str:
     return {"missing_prompt": f"has no prompt {self.field!r} (text, or a list of turns)",
             "too_long": f"holds a prompt longer than config.rl.max_prompt_length="
-                        f"{self.length} tokens"}[kind]
+                        f"{self.length} tokens",
+            "record_too_long": f"is longer than config.rl.max_record_bytes="
+                               f"{self.record_length} bytes as JSON (the rewards get the "
+                               f"whole record)"}[kind]
 
   def ids(self, prompt: Any) -> list[int] | None:
     """A prompt's token ids (None: not a prompt)."""
     if isinstance(prompt, str) and prompt:
-      ids = self.tokenizer.tokenizer.encode(prompt, add_special_tokens=False).ids
-      return ([self.tokenizer.bos_id] if self.tokenizer.add_bos else []) + ids
+      return self.tokenizer.encode_text(prompt)
     if isinstance(prompt, list) and prompt and all(
         isinstance(m, Mapping) and isinstance(m.get("content"), str) for m in prompt):
       text = self.tokenizer.chat_template().render(prompt, add_generation_prompt=True)
@@ -53,9 +77,14 @@ class PromptEncoder:
       return "missing_prompt", []
     if len(ids) > self.length:
       return "too_long", []
+    data = record_bytes(record)
+    if len(data) > self.record_length:
+      return "record_too_long", []
     row = np.full((self.length,), self.pad_id, np.int32)
     row[:len(ids)] = ids
-    return None, [{PROMPT_IDS: row, PROMPT_LENGTHS: np.int32(len(ids))}]
+    text = np.zeros((self.record_length,), np.uint8)
+    text[:len(data)] = np.frombuffer(data, np.uint8)
+    return None, [{PROMPT_IDS: row, PROMPT_LENGTHS: np.int32(len(ids)), RECORD: text}]
 
 
 def from_config(config: ml_collections.ConfigDict, rows: slice = slice(None),
@@ -76,7 +105,8 @@ def from_config(config: ml_collections.ConfigDict, rows: slice = slice(None),
                    epochs=epochs, workers=run.data.workers if epochs is None else 0,
                    worker_buffer=data.worker_buffer,
                    encode=PromptEncoder(tokenizer, length=config.rl.max_prompt_length,
-                                        field=config.rl.prompt_field))
+                                        field=config.rl.prompt_field,
+                                        record_length=config.rl.max_record_bytes))
 
 
 def eval_batches(config: ml_collections.ConfigDict) -> list[dict[str, np.ndarray]]:
@@ -89,4 +119,5 @@ def eval_batches(config: ml_collections.ConfigDict) -> list[dict[str, np.ndarray
 def example_batch(config: ml_collections.ConfigDict) -> dict[str, np.ndarray]:
   """One batch of prompts of the shapes an RL config trains on (the dry run's)."""
   return {PROMPT_IDS: np.ones((config.batch_size, config.rl.max_prompt_length), np.int32),
-          PROMPT_LENGTHS: np.ones((config.batch_size,), np.int32)}
+          PROMPT_LENGTHS: np.ones((config.batch_size,), np.int32),
+          RECORD: np.zeros((config.batch_size, config.rl.max_record_bytes), np.uint8)}

@@ -7,7 +7,9 @@ $$A_i = \frac{r_i - \mathrm{mean}(r)}{\mathrm{std}(r) + \epsilon_A}$$
 
 with the std of the group with Bessel's correction ($G - 1$ in the denominator) and
 $\epsilon_A = 10^{-4}$, as TRL 1.16 computes it (`scale="group"`); Dr. GRPO leaves out the
-division (`scale="none"`). Each completion token $t$ then has the loss
+division (`scale="none"`). A completion without a reward (NaN: every reward function
+returned None) is left out of its group's mean and std and gets an advantage of 0, as in
+TRL. Each completion token $t$ then has the loss
 
 $$\ell_{i,t} = -\min(\rho_{i,t} A_i,\ \mathrm{clip}(\rho_{i,t}, 1 - \varepsilon,
 1 + \varepsilon_{high}) A_i) + \beta\, \rho_{i,t}\, k_3(i, t)$$
@@ -48,10 +50,10 @@ def group_advantages(rewards: jax.Array, group_size: int, *, scale: str = "group
   if scale not in SCALES:
     raise ValueError(f"scale={scale!r} is not one of {SCALES}.")
   grouped = rewards.reshape(-1, group_size)
-  centred = grouped - grouped.mean(axis=1, keepdims=True)
+  centred = grouped - jnp.nanmean(grouped, axis=1, keepdims=True)
   if scale == "group":
-    centred = centred / (grouped.std(axis=1, ddof=1, keepdims=True) + ADVANTAGE_EPS)
-  return centred.reshape(rewards.shape)
+    centred = centred / (jnp.nanstd(grouped, axis=1, ddof=1, keepdims=True) + ADVANTAGE_EPS)
+  return jnp.where(jnp.isnan(centred), 0.0, centred).reshape(rewards.shape)
 
 
 def per_token_loss(logps: jax.Array, old_logps: jax.Array, advantages: jax.Array, *,

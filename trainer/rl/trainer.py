@@ -23,6 +23,7 @@ greedy completion each.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -33,17 +34,20 @@ from clu import metrics as clu_metrics
 
 from trainer.evaluation import MASK_KEY
 from trainer.language_model import LanguageModelTrainer
+from trainer.metrics import NanAverage, field_name
 from trainer.preference import reference as reference_lib
 from trainer.preference.losses import token_logps
+from trainer.rl import data as rl_data
 from trainer.rl import losses as losses_lib
 from trainer.rl import rewards as rewards_lib
-from trainer.rl.data import PROMPT_IDS, PROMPT_LENGTHS
+from trainer.rl.data import PROMPT_IDS, PROMPT_LENGTHS, RECORD
 from trainer.trainer import Batch
 
 PyTree = Any
 #: The update batch's keys beyond `inputs` and `targets`.
-WEIGHTS, ADVANTAGES, OLD, REF, REWARD = ("completion_weights", "advantages", "old_logps",
-                                         "ref_logps", "rewards")
+WEIGHTS, ADVANTAGES, OLD, REF, REWARD, EACH, CLIPPED = (
+    "completion_weights", "advantages", "old_logps", "ref_logps", "rewards", "reward_each",
+    "clipped")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,8 +124,44 @@ class RL:
                spec.scale_rewards, prompt, completion, float(temperature), reference)
 
 
-def _sanitize(name: str) -> str:
-  return "".join(c if c.isalnum() else "_" for c in name.split(":")[-1].split(".")[-1])
+#: The train metrics every RL run logs, under TRL 1.16's names (`metric_names`).
+TRAIN_METRICS = ("loss", "reward", "reward_std", "frac_reward_zero_std",
+                 "completions/mean_length", "completions/min_length",
+                 "completions/max_length", "completions/clipped_ratio",
+                 "completions/mean_terminated_length", "entropy", "clip_ratio/low_mean",
+                 "clip_ratio/high_mean", "clip_ratio/region_mean", "on_policy_gap")
+
+
+def metric_names(rewards, *, kl: bool) -> tuple[str, ...]:
+  """A run's train metrics: `TRAIN_METRICS`, each reward function's mean and std
+  (`rewards/<name>/mean`, `/std`), and `kl` with `beta > 0`."""
+  each = tuple(f"rewards/{r.name}/{stat}" for r in rewards for stat in ("mean", "std"))
+  return TRAIN_METRICS + each + (("kl",) if kl else ())
+
+
+def _nanstd(x: jax.Array, axis=None) -> jax.Array:
+  """The std with Bessel's correction over the values that are not NaN (TRL's `nanstd`);
+  NaN where fewer than two are."""
+  n = jnp.sum(~jnp.isnan(x), axis=axis)
+  var = jnp.nansum((x - jnp.nanmean(x, axis=axis, keepdims=axis is not None)) ** 2,
+                   axis=axis) / jnp.maximum(n - 1, 1)
+  return jnp.where(n > 1, jnp.sqrt(var), jnp.nan)
+
+
+def _collection(metrics: dict, **more) -> type[clu_metrics.Collection]:
+  """A collection of `{reported name: metric class}`, each reading its own output (the
+  fields named as `trainer.metrics.field_name` makes them)."""
+  fields = {**metrics, **more}
+  return clu_metrics.Collection.create(**{field_name(n): cls.from_output(field_name(n))
+                                          for n, cls in fields.items()})
+
+
+def _values(values: dict[str, jax.Array]) -> dict[str, jax.Array]:
+  return {field_name(k): v for k, v in values.items()}
+
+
+def _masked_mean(x: jax.Array, mask: jax.Array) -> jax.Array:
+  return (x * mask).sum() / jnp.maximum(mask.sum(), 1.0)
 
 
 class RLTrainer(LanguageModelTrainer):
@@ -151,12 +191,27 @@ class RLTrainer(LanguageModelTrainer):
                              temperature=self.rl.temperature, top_k=config.rl.top_k,
                              top_p=config.rl.top_p, stop_tokens=() if stop is None else (stop,),
                              pad_id=0 if stop is None else stop)
-    self.metric_names = ("loss", "reward", *(f"reward_{_sanitize(r.name)}" for r in
-                                             self.rewards),
-                         "completion_length", "on_policy_gap", "kl")
-    self._metrics = clu_metrics.Collection.create(
-        **{n: clu_metrics.Average.from_output(n) for n in self.metric_names if n !=
-           "on_policy_gap"}, on_policy_gap=clu_metrics.LastValue.from_output("on_policy_gap"))
+    self.metric_names = metric_names(self.rewards, kl=self.rl.beta > 0)
+    self._metrics = _collection(
+        {n: NanAverage for n in self.metric_names if n != "on_policy_gap"},
+        on_policy_gap=clu_metrics.LastValue)
+    self._check_rewards()
+
+  def _check_rewards(self) -> None:
+    """Each reward called once on the first batch of prompts the run reads (with empty
+    completions), before anything compiles (`trainer.rl.rewards.check`)."""
+    if not self.config.data.sources:
+      return
+    prompts = rl_data.from_config(self.config, epochs=1)()
+    try:
+      batch = next(prompts)
+    except StopIteration:
+      return
+    finally:
+      prompts.close()
+    rewards_lib.check(self.rewards, rl_data.records_of(batch[RECORD]),
+                      prompt_field=self.config.rl.prompt_field,
+                      prompt_ids=self._prompt_lists(batch[PROMPT_IDS], batch[PROMPT_LENGTHS]))
 
   @property
   def tokenizer(self):
@@ -205,17 +260,42 @@ class RLTrainer(LanguageModelTrainer):
     return loss, logps, mask
 
   def train_metrics(self, outputs, batch: Batch, loss: jax.Array):
+    """TRL 1.16's GRPO metrics (`metric_names`), of the step's rollouts and its first
+    update, and `on_policy_gap`: the largest difference between the rollout's log-probs and
+    the first update's."""
+    rl = self.rl
     _, logps, mask = self._terms(outputs, batch)
-    gap = jnp.max(jnp.abs(logps - batch[OLD]) * mask)
-    kl = jnp.zeros_like(loss)
+    logits = outputs.logits if hasattr(outputs, "logits") else outputs
+    logits = logits[..., :self.config.model.vocab_size].astype(jnp.float32)
+    log_p = jax.nn.log_softmax(logits, axis=-1)
+    entropy = -(jnp.exp(log_p) * log_p).sum(-1)
+    ratio = jnp.exp(logps - batch[OLD])
+    adv = batch[ADVANTAGES][:, None]
+    low = ((ratio < 1.0 - rl.epsilon) & (adv < 0)).astype(jnp.float32)
+    high = ((ratio > 1.0 + rl.epsilon_high) & (adv > 0)).astype(jnp.float32)
+    reward = batch[REWARD]
+    lengths = mask.sum(-1)
+    clipped = batch[CLIPPED]
+    group_std = _nanstd(reward.reshape(-1, rl.num_generations), axis=1)
+    terminated = jnp.sum(lengths * (1 - clipped)) / jnp.maximum(jnp.sum(1 - clipped), 1.0)
+    values = {
+        "loss": loss, "reward": jnp.nanmean(reward), "reward_std": _nanstd(reward),
+        "frac_reward_zero_std": jnp.mean(jnp.isclose(group_std, 0.0)),
+        "completions/mean_length": lengths.mean(), "completions/min_length": lengths.min(),
+        "completions/max_length": lengths.max(), "completions/clipped_ratio": clipped.mean(),
+        "completions/mean_terminated_length": terminated,
+        "entropy": _masked_mean(entropy, mask), "clip_ratio/low_mean": _masked_mean(low, mask),
+        "clip_ratio/high_mean": _masked_mean(high, mask),
+        "clip_ratio/region_mean": _masked_mean(jnp.maximum(low, high), mask),
+        "on_policy_gap": jnp.max(jnp.abs(logps - batch[OLD]) * mask)}
+    for i, r in enumerate(self.rewards):
+      column = batch[EACH][:, i]
+      values[f"rewards/{r.name}/mean"] = jnp.nanmean(column)
+      values[f"rewards/{r.name}/std"] = _nanstd(column)
     if REF in batch:
       delta = batch[REF] - logps
-      kl = ((jnp.exp(delta) - delta - 1.0) * mask).sum(-1) / jnp.maximum(mask.sum(-1), 1.0)
-    values = {"loss": loss, "reward": batch[REWARD], "completion_length": mask.sum(-1),
-              "on_policy_gap": gap, "kl": kl}
-    for i, r in enumerate(self.rewards):
-      values[f"reward_{_sanitize(r.name)}"] = batch["reward_each"][:, i]
-    return self._metrics.single_from_model_output(**values)
+      values["kl"] = _masked_mean(jnp.exp(delta) - delta - 1.0, mask)
+    return self._metrics.single_from_model_output(**_values(values))
 
   def tokens_per_example(self, batch: Batch) -> int:
     """A prompt's tokens and its G completions' budget."""
@@ -241,7 +321,8 @@ class RLTrainer(LanguageModelTrainer):
     tokens, values = np.zeros((rows, width), np.int32), np.zeros((rows, width), np.float32)
     batch = {"inputs": tokens, "targets": tokens, WEIGHTS: values, OLD: values,
              ADVANTAGES: np.zeros((rows,), np.float32), REWARD: np.zeros((rows,), np.float32),
-             "reward_each": np.zeros((rows, len(self.rewards)), np.float32)}
+             EACH: np.zeros((rows, len(self.rewards)), np.float32),
+             CLIPPED: np.zeros((rows,), np.float32)}
     return {**batch, REF: values} if rl.reference != "none" else batch
 
   def plan_notes(self, abstract_state) -> list[str]:
@@ -275,22 +356,37 @@ class RLTrainer(LanguageModelTrainer):
 
   # -- The rollout -------------------------------------------------------------------------
 
-  def _host_rewards(self, prompt_ids, prompt_lengths, new, counts):
+  @staticmethod
+  def _prompt_lists(prompt_ids, prompt_lengths) -> list[list[int]]:
+    return [p[:n].tolist() for p, n in zip(np.asarray(prompt_ids), np.asarray(prompt_lengths),
+                                            strict=True)]
+
+  def _host_rewards(self, prompt_ids, prompt_lengths, records, new, counts, step, *,
+                    group: int):
+    """The rewards of a rollout's completions (`trainer.rl.rewards`), on the host: each
+    group's prompt record (its prompt's ids decoded where the batch holds no records)."""
     decode = self.tokenizer.tokenizer.decode_batch
-    prompt_ids, prompt_lengths = np.asarray(prompt_ids), np.asarray(prompt_lengths)
-    new, counts = np.asarray(new), np.asarray(counts)
-    prompts = [p[:n].tolist() for p, n in zip(prompt_ids, prompt_lengths, strict=True)]
-    completions = [c[:n].tolist() for c, n in zip(new, counts, strict=True)]
-    total, each = rewards_lib.score(
-        self.rewards, prompts=decode(prompts, skip_special_tokens=True),
-        completions=decode(completions, skip_special_tokens=True),
-        prompt_ids=prompts, completion_ids=completions)
+    prompts = self._prompt_lists(prompt_ids, prompt_lengths)
+    completions = [c[:n].tolist() for c, n in zip(np.asarray(new), np.asarray(counts),
+                                                  strict=True)]
+    if records is None:
+      field = self.config.rl.prompt_field
+      records = [{field: text} for text in decode(prompts[::group], skip_special_tokens=True)]
+    else:
+      records = rl_data.records_of(records)
+    kwargs = rewards_lib.arguments(
+        [r for r in records for _ in range(group)], decode(completions,
+                                                           skip_special_tokens=True),
+        prompt_field=self.config.rl.prompt_field, prompt_ids=prompts,
+        completion_ids=completions, step=int(step), max_steps=self.num_train_steps)
+    total, each = rewards_lib.score(self.rewards, kwargs)
     return (np.asarray(total, np.float32),
             np.asarray([each[r.name] for r in self.rewards], np.float32).T.reshape(
                 len(total), len(self.rewards)))
 
   def rollout(self, state, batch: Batch, *, group: int, sampling) -> dict[str, jax.Array]:
-    """Completions of each prompt (`group` each), their rewards and the update's batch."""
+    """Completions of each prompt (`group` each), their rewards and the update's batch;
+    `ok` is False once a reward function has failed (`trainer.step.host_calls`)."""
     prompts = jnp.repeat(batch[PROMPT_IDS], group, axis=0)
     lengths = jnp.maximum(jnp.repeat(batch[PROMPT_LENGTHS], group, axis=0), 1)
     rows, width = prompts.shape
@@ -299,12 +395,13 @@ class RLTrainer(LanguageModelTrainer):
         jnp.arange(rows * (self.strategy.num_data_replicas
                            if self.strategy.step_sees_batch_shard else 1)))
     keys = jax.vmap(lambda i: jax.random.fold_in(step_key, i))(ids)
-    new, counts, _ = self.generator.program(sampling)(
+    new, counts, stopped = self.generator.program(sampling)(
         state, {"tokens": prompts, "lengths": lengths, "keys": keys})
     shapes = (jax.ShapeDtypeStruct((rows,), jnp.float32),
               jax.ShapeDtypeStruct((rows, len(self.rewards)), jnp.float32))
-    total, each = jax.pure_callback(self._host_rewards, shapes, prompts, lengths, new, counts,
-                                    vmap_method="sequential")
+    (total, each), ok = self.host_calls.call(
+        functools.partial(self._host_rewards, group=group), shapes, prompts, lengths,
+        batch.get(RECORD), new, counts, state.step)
     # Each row: its prompt's tokens, then its completion's, then padding.
     steps = new.shape[1]
     position = jnp.arange(width + steps)[None]
@@ -318,7 +415,7 @@ class RLTrainer(LanguageModelTrainer):
     weights = ((target >= lengths[:, None]) & (target < (lengths + counts)[:, None])).astype(
         jnp.float32)
     return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], WEIGHTS: weights,
-            REWARD: total, "reward_each": each}
+            REWARD: total, EACH: each, CLIPPED: (~stopped).astype(jnp.float32), "ok": ok}
 
   def update_batch(self, state, batch: Batch) -> Batch:
     """A prompt batch's rollouts as the updates' batch: the completions (`rollout`), their
@@ -326,8 +423,10 @@ class RLTrainer(LanguageModelTrainer):
     rl = self.rl
     update = dict(jax.lax.stop_gradient(self.rollout(state, batch, group=rl.num_generations,
                                                      sampling=self.sampling)))
-    update[ADVANTAGES] = losses_lib.group_advantages(update[REWARD], rl.num_generations,
-                                                     scale=rl.scale_rewards)
+    # A failed reward call makes the update non-finite: no action that reads the state
+    # sees it, and the loop raises the reward's error (`trainer.step.host_calls`).
+    update[ADVANTAGES] = jnp.where(update.pop("ok"), losses_lib.group_advantages(
+        update[REWARD], rl.num_generations, scale=rl.scale_rewards), jnp.nan)
     update[OLD] = jax.lax.stop_gradient(self.logps(state.params, state.model_state,
                                                    update["inputs"], update["targets"]))
     if rl.reference != "none":
@@ -347,16 +446,15 @@ class RLTrainer(LanguageModelTrainer):
     return state.replace(step=step + 1), outputs
 
   def eval_step(self, state, batch: Batch):
-    """Held-out prompts' rewards: one greedy completion each."""
+    """Held-out prompts' rewards: one greedy completion each (`reward`, and each function's
+    `rewards/<name>/mean`, over the completions it applies to)."""
     greedy = dataclasses.replace(self.sampling, temperature=0.0)
     out = self.rollout(state, batch, group=1, sampling=greedy)
-    mask = batch[MASK_KEY]
-    values = {"reward": out[REWARD], **{f"reward_{_sanitize(r.name)}": out["reward_each"][:, i]
+    values = {"reward": out[REWARD], **{f"rewards/{r.name}/mean": out[EACH][:, i]
                                         for i, r in enumerate(self.rewards)}}
-    collection = clu_metrics.Collection.create(
-        **{n: clu_metrics.Average.from_output(n) for n in values})
+    collection = _collection(dict.fromkeys(values, NanAverage))
     return self.strategy.merge_metrics_over_data(
-        collection.single_from_model_output(**values, mask=mask))
+        collection.single_from_model_output(**_values(values), mask=batch[MASK_KEY]))
 
   def predict_step(self, state, batch: Batch):
     """Each held-out prompt's reward of its greedy completion."""
