@@ -48,6 +48,9 @@ def rl_fields() -> ml_collections.ConfigDict:
       # A record's bytes as JSON, at most: each row carries its whole record, whose other
       # fields the rewards get as keyword arguments (an answer, a test case).
       max_record_bytes=4096,
+      # Rows of each train rollout written as a table of sample completions (the text
+      # `completions`) every log_every_steps; 0: none.
+      log_completions=8,
       # "package.module:function" or "path/to/file.py:function" (trainer.rl.rewards).
       rewards=(),
       reward_weights=(),  # One per reward; empty: 1 each.

@@ -181,6 +181,10 @@ def test_the_action_evaluates_during_training(setup):
   assert {2, 3} <= set(writer.scalars)
   assert 0 <= writer.scalars[2]["harness/tiny_choice/acc"] <= 1
   assert "'w1 w2' -> " in writer.texts[3]["harness/generations"]
+  table = writer.texts[3]["harness/samples/tiny_choice"].splitlines()
+  assert table[0] == "| input | response | target | acc | acc_norm |" and len(table) == 2 + 4
+  cells = [c.strip() for c in table[2].split("|")[1:-1]]  # The first document's row.
+  assert cells[0] == "w1 w2 w3" and cells[1] in CHOICE_DOCS[0]["choices"] and cells[2] == "1"
 
 
 def jax_leaves(tree):

@@ -130,3 +130,32 @@ def test_a_reward_that_raises_mid_run_ends_it_at_once_on_eight_devices(tmp_path)
       run.stderr[-3000:])
   assert sorted(os.listdir(work / "checkpoints")) == ["4"], os.listdir(work / "checkpoints")
   assert not (tmp_path / "final.npz").exists()
+
+
+def test_sample_completions_reach_tensorboard_and_texts_jsonl(task, tmp_path):
+  """Every `log_every_steps`, the latest rollout's first rows as TRL's completions table:
+  each row's reward is its own completion's (the right sum: 1)."""
+  from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+  from trainer import writers
+  from trainer.rl import RLTrainer
+  from trainer.rl import data as rl_data
+  config = rl_config(task["text"], **{"rl.rewards": ("rl_rewards:correct",),
+                                      "log_every_steps": 1, "rl.log_completions": 6})
+  writer = writers.create_writer(str(tmp_path), ("tensorboard", "jsonl"))
+  RLTrainer(config).fit(rl_data.from_config(config), num_steps=2, writer=writer)
+  writer.close()
+  tables = [json.loads(line) for line in (tmp_path / writers.TEXTS_NAME).read_text()
+            .splitlines()]
+  assert [(t["step"], t["name"]) for t in tables] == [(1, "completions"), (2, "completions")]
+  for table in tables:
+    lines = table["text"].splitlines()
+    assert lines[2] == "| prompt | completion | reward | correct |" and len(lines) == 4 + 6
+    for line in lines[4:]:
+      prompt, completion, reward, correct = (c.strip() for c in line.split("|")[1:-1])
+      a, b = map(int, prompt.rstrip("=").split("+"))
+      assert float(reward) == float(correct) == float(completion == str(a + b))
+  (events,) = tmp_path.glob("events.out.tfevents.*")
+  accumulator = EventAccumulator(str(events), size_guidance={"tensors": 0})
+  accumulator.Reload()
+  assert [e.step for e in accumulator.Tensors("completions")] == [1, 2]

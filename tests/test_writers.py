@@ -38,6 +38,7 @@ def test_weights_and_biases_logs_offline_and_a_restart_resumes_the_same_run(tmp_
     writer = writers.create_writer(str(tmp_path), config.writers, config)
     writer.write_hparams({"learning_rate": 0.1, "attempt": attempt})
     writer.write_scalars(step, {"train/loss": 1.5 / step})
+    writer.write_texts(step, {"completions": "| 3+4= | 7 |"})
     wandb_writer = writer._writers[-1]
     ids.append(wandb_writer.run.id)
     writer.close()
@@ -46,7 +47,7 @@ def test_weights_and_biases_logs_offline_and_a_restart_resumes_the_same_run(tmp_
   runs = sorted((tmp_path / "wandb").glob(f"offline-run-*-{ids[0]}*"))
   assert len(runs) == 2, list((tmp_path / "wandb").iterdir())
   logged = b"".join(p.read_bytes() for run in runs for p in run.glob("*.wandb"))
-  assert b"train/loss" in logged and b"learning_rate" in logged
+  assert b"train/loss" in logged and b"learning_rate" in logged and b"completions" in logged
   assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text()
           .splitlines()] == [2, 4]
 
@@ -71,6 +72,7 @@ def test_tensorboard_events_are_written_without_importing_tensorflow(tmp_path):
       f"w = writers.create_writer({str(tmp_path)!r}, ('tensorboard',))\n"
       "w.write_hparams({'learning_rate': 0.1, 'model': {'width': 8}})\n"
       "w.write_scalars(3, {'train/loss': 0.5, 'eval/accuracy': 1})\n"
+      "w.write_texts(3, {'harness/generations': 'a -> b'})\n"
       "w.close()\n"
       "assert 'tensorflow' not in sys.modules, 'tensorflow imported'\n")
   subprocess.run([sys.executable, "-c", script], check=True, timeout=120)
@@ -82,3 +84,27 @@ def test_tensorboard_events_are_written_without_importing_tensorflow(tmp_path):
   assert seen[(3, "eval/accuracy")].simple_value == 1.0
   assert (0, "_hparams_/session_start_info") in seen
   assert b"learning_rate" in seen[(0, "_hparams_/session_start_info")].metadata.plugin_data.content
+
+
+def test_texts_reach_tensorboard_and_a_file_a_script_reads(tmp_path):
+  """Every writer of `create_writer` takes texts: TensorBoard's Text tab (read back with
+  TensorBoard's own `EventAccumulator`), `texts.jsonl` (one JSON object per text) and the
+  console."""
+  from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+  writer = writers.create_writer(str(tmp_path), ("tensorboard", "jsonl"))
+  table = "| prompt | completion |\n|---|---|\n| 3+4= | 7 |"
+  writer.write_texts(5, {"completions": table, "harness/generations": "'x' -> 'ünï'"})
+  writer.write_texts(9, {"completions": "| later |"})
+  writer.close()
+  (events,) = tmp_path.glob("events.out.tfevents.*")
+  accumulator = EventAccumulator(str(events), size_guidance={"tensors": 0})
+  accumulator.Reload()
+  assert {"completions", "harness/generations"} <= set(accumulator.Tags()["tensors"])
+  written = {(e.step, e.tensor_proto.string_val[0].decode())
+             for e in accumulator.Tensors("completions")}
+  assert written == {(5, table), (9, "| later |")}
+  records = [json.loads(line) for line in (tmp_path / writers.TEXTS_NAME).read_text()
+             .splitlines()]
+  assert records == [{"step": 5, "name": "completions", "text": table},
+                     {"step": 5, "name": "harness/generations", "text": "'x' -> 'ünï'"},
+                     {"step": 9, "name": "completions", "text": "| later |"}]

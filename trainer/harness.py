@@ -37,7 +37,7 @@ import dataclasses
 import math
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -262,7 +262,7 @@ def evaluate(lm: HarnessLM, tasks: Sequence[str], *, include_path=None,
   manager = manager or task_manager(include_path)
   check_tasks(tasks, manager)
   return lm_eval.simple_evaluate(model=lm, tasks=list(tasks), task_manager=manager,
-                                 limit=limit, num_fewshot=num_fewshot, log_samples=False,
+                                 limit=limit, num_fewshot=num_fewshot, log_samples=True,
                                  bootstrap_iters=0, verbosity="WARNING")
 
 
@@ -277,10 +277,57 @@ def scalar_metrics(results: dict) -> dict[str, float]:
   return out
 
 
+def _arguments(sample: Mapping) -> list[tuple]:
+  """A logged sample's requests' arguments (a list of tuples, or lm-eval's dict of them)."""
+  args = sample.get("arguments") or []
+  if isinstance(args, Mapping):
+    args = [tuple(a.values()) if isinstance(a, Mapping) else a for a in args.values()]
+  return [tuple(a) if isinstance(a, list | tuple) else (a,) for a in args]
+
+
+def _response(sample: Mapping, args: list[tuple]) -> str:
+  """What the model answered: a generation's text, a multiple choice's most likely choice,
+  or a score."""
+  responses = sample.get("filtered_resps")
+  if isinstance(responses, list) and responses and all(isinstance(r, str) for r in responses):
+    return responses[0]
+  if isinstance(responses, list) and len(responses) == len(args) > 1:
+    scores = [r[0] if isinstance(r, list | tuple) else r for r in responses]
+    best = max(range(len(scores)), key=lambda i: float(scores[i]))
+    return str(args[best][1]) if len(args[best]) > 1 else str(best)
+  return str(responses)
+
+
+def sample_tables(results: dict, rows: int = 4) -> dict[str, str]:
+  """`harness/samples/<task>` -> a Markdown table of the task's first `rows` logged samples
+  (`evaluate` logs them): the input, the model's response, the target and the sample's
+  metrics."""
+  def cell(value) -> str:
+    return str(value).replace("|", "\\|").replace("\n", "<br>")
+
+  out = {}
+  for task, samples in (results.get("samples") or {}).items():
+    lines = []
+    for sample in samples[:rows]:
+      args = _arguments(sample)
+      metrics = {k: v for k, v in sample.items() if isinstance(v, int | float)
+                 and not isinstance(v, bool) and k not in ("doc_id", "target")}
+      if not lines:
+        lines = ["| input | response | target | " + " | ".join(metrics) + " |",
+                 "|" + "---|" * (3 + len(metrics))]
+      lines.append("| " + " | ".join(cell(v) for v in (
+          args[0][0] if args else "", _response(sample, args), sample.get("target", ""),
+          *metrics.values())) + " |")
+    if lines:
+      out[f"harness/samples/{task}"] = "\n".join(lines)
+  return out
+
+
 class HarnessEval(Action):
   """Runs harness tasks on the training state every `every_steps` (and at the last step),
-  writing each task's metrics to `writer` as `harness/<task>/<metric>`, and the greedy
-  continuations of `prompts` as text (`harness/generations`).
+  writing each task's metrics to `writer` as `harness/<task>/<metric>`, a table of each
+  task's first samples as text (`harness/samples/<task>`: input, response, target), and the
+  greedy continuations of `prompts` as text (`harness/generations`).
 
   The state stays in the training layout: scoring and generation compile through the
   trainer's strategy, nothing is gathered to one device. One `HarnessLM` serves every run,
@@ -315,6 +362,7 @@ class HarnessEval(Action):
     lm.state = view.state
     results = evaluate(lm, self.tasks, limit=self.limit, manager=self.manager)
     self.writer.write_scalars(view.step, scalar_metrics(results))
+    self.writer.write_texts(view.step, sample_tables(results))
     if self.prompts:
       texts = lm.generate_until([_Request((p, {"max_gen_toks": self.max_new_tokens}))
                                  for p in self.prompts])

@@ -1,16 +1,21 @@
-"""Metric writers: the console, TensorBoard event files, a `metrics.jsonl` file, and
-Weights & Biases (optional: `pip install ".[wandb]"`), chosen by `config.writers`.
+"""Metric writers: the console, TensorBoard event files, `metrics.jsonl` and `texts.jsonl`
+files, and Weights & Biases (optional: `pip install ".[wandb]"`), chosen by
+`config.writers`.
 
-Each is a clu `MetricWriter` by its methods (`write_scalars`, `write_hparams`, ...,
-`flush`, `close`), so a clu writer can be passed wherever these are. They do not import
-`clu.metric_writers`: that package imports TensorFlow (and Keras) for its TensorBoard
-writer, seconds before a first step in a run that reads no TFDS data. TensorBoard's event
-files are written with the `tensorboard` package's own `EventFileWriter` and summary
-protos, which TensorBoard reads as it reads TensorFlow's.
+Each is a clu `MetricWriter` by its methods (`write_scalars`, `write_texts`,
+`write_hparams`, ..., `flush`, `close`), so a clu writer can be passed wherever these are.
+Scalars, texts (generations, RL's sample completions, the harness's samples) and
+hyperparameters are written; images, videos, audio and histograms are dropped. They do not
+import `clu.metric_writers`: that package imports TensorFlow (and Keras) for its
+TensorBoard writer, seconds before a first step in a run that reads no TFDS data.
+TensorBoard's event files are written with the `tensorboard` package's own record writer
+and its plugins' summary protos (scalars, text, hparams), which TensorBoard reads as it
+reads TensorFlow's.
 """
 
 from __future__ import annotations
 
+import html
 import json
 import os
 import time
@@ -22,10 +27,12 @@ import jax
 from absl import logging
 
 JSONL_NAME = "metrics.jsonl"
+#: Beside it, the texts (`JsonlWriter.write_texts`).
+TEXTS_NAME = "texts.jsonl"
 
 
 class ScalarWriter:
-  """A writer of scalars (and hyperparameters) only: every other kind is dropped.
+  """The writers' base: the kinds a subclass does not write are dropped.
 
   The methods are clu's `MetricWriter` interface.
   """
@@ -70,6 +77,10 @@ class LoggingWriter(ScalarWriter):
               for k, v in sorted(scalars.items())]
     logging.info("[%d] %s", step, ", ".join(values))
 
+  def write_texts(self, step: int, texts: Mapping[str, str]):
+    for name, text in sorted(texts.items()):
+      logging.info("[%d] %s:\n%s", step, name, text)
+
   def write_hparams(self, hparams: Mapping[str, Any]):
     # Thousands of characters: a run's config goes to its files (config.json, TensorBoard's
     # hparams), and to the console only with --verbosity=1.
@@ -77,7 +88,8 @@ class LoggingWriter(ScalarWriter):
 
 
 class TensorBoardWriter(ScalarWriter):
-  """A TensorBoard event file in `logdir` (scalars, and hyperparameters for its HParams tab).
+  """A TensorBoard event file in `logdir`: scalars, texts (its Text tab) and
+  hyperparameters (its HParams tab).
 
   Records are written with tensorboard's `RecordWriter` to a plain file, flushed at each
   write: tensorboard's `EventFileWriter` would reach `tf.io.gfile`, which imports
@@ -106,6 +118,14 @@ class TensorBoardWriter(ScalarWriter):
     self._add(summary_pb2.Summary(value=[
         summary_pb2.Summary.Value(tag=k, simple_value=float(v)) for k, v in scalars.items()]),
         step)
+
+  def write_texts(self, step: int, texts: Mapping[str, str]):
+    from tensorboard.compat.proto import summary_pb2
+    from tensorboard.plugins.text import summary_v2
+    summary = summary_pb2.Summary()
+    for name, text in texts.items():
+      summary.MergeFrom(summary_v2.text_pb(name, str(text)))
+    self._add(summary, step)
 
   def write_hparams(self, hparams: Mapping[str, Any]):
     from tensorboard.plugins.hparams import summary_v2
@@ -140,6 +160,10 @@ class MultiWriter(ScalarWriter):
     for w in self._writers:
       w.write_scalars(step, scalars)
 
+  def write_texts(self, step, texts):
+    for w in self._writers:
+      w.write_texts(step, texts)
+
   def write_hparams(self, hparams):
     for w in self._writers:
       w.write_hparams(hparams)
@@ -154,16 +178,28 @@ class MultiWriter(ScalarWriter):
 
 
 class JsonlWriter(ScalarWriter):
-  """Appends one JSON object per `write_scalars` call: `step`, `split`, and the scalars.
+  """Appends one JSON object per `write_scalars` call: `step`, `split`, and the scalars;
+  and to `texts_path` (`texts.jsonl` beside it by default), one per text: `step`, `name`,
+  `text`.
 
   Keys of the form `split/name` (as the Trainer writes them) give the split;
   keys without a prefix are written under `split: null`.
   """
 
-  def __init__(self, path: str):
+  def __init__(self, path: str, texts_path: str | None = None):
     # Line-buffered: each record is on disk as soon as it is written, so a long
     # run can be followed with `tail -f` and a crash loses nothing written.
     self._file = open(path, "a", encoding="utf-8", buffering=1)  # noqa: SIM115 -- close().
+    self._texts_path = texts_path or os.path.join(os.path.dirname(path), TEXTS_NAME)
+    self._texts = None  # Opened at the first text.
+
+  def write_texts(self, step: int, texts: Mapping[str, str]):
+    if self._texts is None:
+      self._texts = open(self._texts_path, "a", encoding="utf-8",  # noqa: SIM115 -- close().
+                         buffering=1)
+    for name, text in texts.items():
+      self._texts.write(json.dumps({"step": int(step), "name": name, "text": str(text)},
+                                   ensure_ascii=False) + "\n")
 
   def write_scalars(self, step: int, scalars: Mapping[str, Any]):
     by_split: dict[str | None, dict[str, float]] = {}
@@ -178,6 +214,8 @@ class JsonlWriter(ScalarWriter):
 
   def close(self):
     self._file.close()
+    if self._texts is not None:
+      self._texts.close()
 
 
 #: What `config.writers` may name.
@@ -212,6 +250,11 @@ class WandbWriter(ScalarWriter):
 
   def write_scalars(self, step: int, scalars: Mapping[str, Any]):
     self.run.log({k: float(v) for k, v in scalars.items()}, step=int(step))
+
+  def write_texts(self, step: int, texts: Mapping[str, str]):
+    import wandb
+    self.run.log({k: wandb.Html(f"<pre>{html.escape(str(v))}</pre>") for k, v in texts.items()},
+                 step=int(step))
 
   def write_hparams(self, hparams: Mapping[str, Any]):
     self.run.config.update(dict(hparams), allow_val_change=True)

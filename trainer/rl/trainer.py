@@ -40,6 +40,7 @@ from trainer.preference.losses import token_logps
 from trainer.rl import data as rl_data
 from trainer.rl import losses as losses_lib
 from trainer.rl import rewards as rewards_lib
+from trainer.rl import samples as samples_lib
 from trainer.rl.data import PROMPT_IDS, PROMPT_LENGTHS, RECORD
 from trainer.trainer import Batch
 
@@ -195,6 +196,8 @@ class RLTrainer(LanguageModelTrainer):
     self._metrics = _collection(
         {n: NanAverage for n in self.metric_names if n != "on_policy_gap"},
         on_policy_gap=clu_metrics.LastValue)
+    #: The latest train rollout's first rows (`CompletionSamples` writes them).
+    self.samples = samples_lib.Samples(config.rl.log_completions)
     self._check_rewards()
 
   def _check_rewards(self) -> None:
@@ -212,6 +215,16 @@ class RLTrainer(LanguageModelTrainer):
     rewards_lib.check(self.rewards, rl_data.records_of(batch[RECORD]),
                       prompt_field=self.config.rl.prompt_field,
                       prompt_ids=self._prompt_lists(batch[PROMPT_IDS], batch[PROMPT_LENGTHS]))
+
+  def default_actions(self, *, checkpointer, eval_batches, workdir, writer=None):
+    """The Trainer's, and the sample completions every `config.log_every_steps`
+    (`trainer.rl.samples`) where a writer is given."""
+    actions = super().default_actions(checkpointer=checkpointer, eval_batches=eval_batches,
+                                      workdir=workdir, writer=writer)
+    if writer is not None and self.samples.rows and self.config.log_every_steps:
+      actions.append(samples_lib.CompletionSamples(writer, self.samples,
+                                                   every_steps=self.config.log_every_steps))
+    return actions
 
   @property
   def tokenizer(self):
@@ -362,7 +375,7 @@ class RLTrainer(LanguageModelTrainer):
                                             strict=True)]
 
   def _host_rewards(self, prompt_ids, prompt_lengths, records, new, counts, step, *,
-                    group: int):
+                    group: int, keep: bool = False):
     """The rewards of a rollout's completions (`trainer.rl.rewards`), on the host: each
     group's prompt record (its prompt's ids decoded where the batch holds no records)."""
     decode = self.tokenizer.tokenizer.decode_batch
@@ -380,13 +393,17 @@ class RLTrainer(LanguageModelTrainer):
         prompt_field=self.config.rl.prompt_field, prompt_ids=prompts,
         completion_ids=completions, step=int(step), max_steps=self.num_train_steps)
     total, each = rewards_lib.score(self.rewards, kwargs)
+    if keep:
+      self.samples.keep(step, kwargs["prompts"], kwargs["completions"], total, each)
     return (np.asarray(total, np.float32),
             np.asarray([each[r.name] for r in self.rewards], np.float32).T.reshape(
                 len(total), len(self.rewards)))
 
-  def rollout(self, state, batch: Batch, *, group: int, sampling) -> dict[str, jax.Array]:
+  def rollout(self, state, batch: Batch, *, group: int, sampling, keep: bool = False
+              ) -> dict[str, jax.Array]:
     """Completions of each prompt (`group` each), their rewards and the update's batch;
-    `ok` is False once a reward function has failed (`trainer.step.host_calls`)."""
+    `ok` is False once a reward function has failed (`trainer.step.host_calls`). `keep`:
+    the first rows are kept as samples (`self.samples`)."""
     prompts = jnp.repeat(batch[PROMPT_IDS], group, axis=0)
     lengths = jnp.maximum(jnp.repeat(batch[PROMPT_LENGTHS], group, axis=0), 1)
     rows, width = prompts.shape
@@ -400,7 +417,7 @@ class RLTrainer(LanguageModelTrainer):
     shapes = (jax.ShapeDtypeStruct((rows,), jnp.float32),
               jax.ShapeDtypeStruct((rows, len(self.rewards)), jnp.float32))
     (total, each), ok = self.host_calls.call(
-        functools.partial(self._host_rewards, group=group), shapes, prompts, lengths,
+        functools.partial(self._host_rewards, group=group, keep=keep), shapes, prompts, lengths,
         batch.get(RECORD), new, counts, state.step)
     # Each row: its prompt's tokens, then its completion's, then padding.
     steps = new.shape[1]
@@ -422,7 +439,7 @@ class RLTrainer(LanguageModelTrainer):
     advantages, and their old and (with `beta > 0`) reference log-probs."""
     rl = self.rl
     update = dict(jax.lax.stop_gradient(self.rollout(state, batch, group=rl.num_generations,
-                                                     sampling=self.sampling)))
+                                                     sampling=self.sampling, keep=True)))
     # A failed reward call makes the update non-finite: no action that reads the state
     # sees it, and the loop raises the reward's error (`trainer.step.host_calls`).
     update[ADVANTAGES] = jnp.where(update.pop("ok"), losses_lib.group_advantages(
