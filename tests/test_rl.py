@@ -4,7 +4,6 @@ types' aggregation (`trainer.rl`); equality with TRL is `test_rl_trl.py`'s."""
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 import rl_setup
 from rl_setup import ROOT, rl_config
 

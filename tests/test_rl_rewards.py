@@ -124,7 +124,8 @@ def test_a_reward_that_raises_mid_run_ends_it_at_once_on_eight_devices(tmp_path)
       env={**os.environ, "RL_ROLLOUT_LOG": str(tmp_path / "r.log"), "RL_FAIL_AT_STEP": "6"},
       capture_output=True, text=True, timeout=600)
   assert run.returncode not in (0, -signal.SIGABRT, 134), run.stderr[-3000:]
-  message = "'fails_at_step' (rl_rewards:fails_at_step) raised ZeroDivisionError: no reward at step 6"
+  message = ("'fails_at_step' (rl_rewards:fails_at_step) raised ZeroDivisionError: no "
+             "reward at step 6")
   assert run.stderr.count(message) == 1, run.stderr[-3000:]
   assert "rendezvous" not in run.stderr and "JaxRuntimeError" not in run.stderr, (
       run.stderr[-3000:])
