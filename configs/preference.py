@@ -63,6 +63,6 @@ def get_config(variant: str = "dpo") -> ml_collections.ConfigDict:
     config.ensemble_size = 0  # The sweep's member count.
     config.strategy.ensemble_mesh_shape = (4, -1)  # A member a group of devices.
     config.sweep.grid.beta = (0.05, 0.1, 0.2, 0.5)
-    config.sweep.metric = "reward_accuracy"
+    config.sweep.metric = "rewards/accuracies"
     config.sweep.mode = "max"
   return config

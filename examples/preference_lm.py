@@ -83,7 +83,7 @@ def main(argv):
 
 def held_out_rewards(trainer, state, held_out) -> dict[str, float]:
   values = trainer.evaluate(state, held_out)
-  return {k: float(values[k]) for k in ("loss", "reward_accuracy", "reward_margin")}
+  return {k: float(values[k]) for k in ("loss", "rewards/accuracies", "rewards/margins")}
 
 
 def align(config, workdir: str) -> None:
@@ -139,8 +139,8 @@ def align(config, workdir: str) -> None:
     return
   if before is not None:
     print(f"held-out pairs ({config.preference.loss}): reward accuracy "
-          f"{before['reward_accuracy']:.3f} -> {after['reward_accuracy']:.3f}, margin "
-          f"{before['reward_margin']:.4f} -> {after['reward_margin']:.4f}, loss "
+          f"{before['rewards/accuracies']:.3f} -> {after['rewards/accuracies']:.3f}, margin "
+          f"{before['rewards/margins']:.4f} -> {after['rewards/margins']:.4f}, loss "
           f"{before['loss']:.4f} -> {after['loss']:.4f} ({config.num_train_steps} steps of "
           f"{config.batch_size} pairs)")
   out = os.path.join(workdir, "hf")

@@ -271,12 +271,12 @@ def test_the_metrics_agree_with_each_other(files):
   batches = list(pdata.from_config(config, epochs=1)())[:2]
   result = trainer.fit(lambda s: pdata.from_config(config)(s), num_steps=2)
   values = trainer.evaluate(result.state, batches)
-  assert set(values) >= {"loss", "rewards_chosen", "rewards_rejected", "reward_accuracy",
-                         "reward_margin", "logps_chosen", "logps_rejected"}
-  np.testing.assert_allclose(values["reward_margin"],
-                             values["rewards_chosen"] - values["rewards_rejected"], rtol=1e-5)
-  assert 0.0 <= values["reward_accuracy"] <= 1.0
-  assert values["logps_chosen"] < 0 and values["logps_rejected"] < 0
+  assert set(values) >= {"loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies",
+                         "rewards/margins", "logps/chosen", "logps/rejected"}
+  np.testing.assert_allclose(values["rewards/margins"],
+                             values["rewards/chosen"] - values["rewards/rejected"], rtol=1e-5)
+  assert 0.0 <= values["rewards/accuracies"] <= 1.0
+  assert values["logps/chosen"] < 0 and values["logps/rejected"] < 0
 
 
 def test_harness_tasks_run_on_the_policy_during_preference_training(files, monkeypatch):

@@ -33,6 +33,7 @@ transformers = pytest.importorskip("transformers")
 import preference_files as pf  # noqa: E402
 
 from configs import preference  # noqa: E402
+from trainer import metrics as metrics_lib  # noqa: E402
 from trainer.interop import hf  # noqa: E402
 
 SEQ_LEN, PAIRS = 64, 8
@@ -119,7 +120,7 @@ def ours(trainer, batch, family_dir, tmp_path, *, other_reference: bool):
   after = jax.device_get(trainer.strategy.to_canonical(new).params)
   grads = jax.tree.map(lambda b, a: (np.asarray(b, np.float64) - np.asarray(a, np.float64)
                                      ).astype(np.float32), before, after)
-  metrics = {k: float(v) for k, v in jax.device_get(outputs["metrics"]).compute().items()}
+  metrics = metrics_lib.scalars(jax.device_get(outputs["metrics"]))
   return metrics, hf_grads(grads, model_fields(**trainer.config.model.to_dict()),
                            str(tmp_path / "grads"))
 
@@ -145,8 +146,8 @@ def trl_side(loss, family_dir, recs, *, other_reference: bool, tmp_path):
   if loss in ("sigmoid", "ipo"):
     out = dpo.compute_loss(dpo.model, dpo.data_collator(rows))
     logged = {k: v[-1] for k, v in (dpo._metrics["train"] | dpo._metrics["eval"]).items()}
-    values = dict(loss=float(out), rewards_chosen=logged["rewards/chosen"],
-                  rewards_rejected=logged["rewards/rejected"])
+    values = {"loss": float(out), **{k: logged[k] for k in (
+        "rewards/chosen", "rewards/rejected", "logits/chosen", "logits/rejected")}}
   else:
     values = _cpo_or_orpo(loss, policy, tokenizer, recs, ids, common)
     out = values.pop("tensor")
@@ -178,8 +179,8 @@ def _cpo_or_orpo(loss, policy, tokenizer, recs, ids, common):
     batch[f"{side}_labels"] = torch.tensor([lab + [-100] * (width - len(lab))
                                             for lab in labels])
   out, metrics = trainer.get_batch_loss_metrics(policy, batch)
-  return dict(tensor=out, loss=float(out), rewards_chosen=metrics["rewards/chosen"],
-              rewards_rejected=metrics["rewards/rejected"])
+  return {"tensor": out, "loss": float(out), "rewards/chosen": metrics["rewards/chosen"],
+          "rewards/rejected": metrics["rewards/rejected"]}
 
 
 def close(a, b, name):
@@ -205,8 +206,11 @@ def test_loss_rewards_and_gradients_equal_trl(loss, family, layout, models, reco
           f"{kind} records tokenized unlike TRL's DPOTrainer")
       metrics, grads = ours(trainer, batch, models[family], tmp_path, other_reference=other)
       where = f"{loss}/{family}/{layout}/{kind}/{'other' if other else 'same'} reference"
-      for name in ("loss", "rewards_chosen", "rewards_rejected"):
+      for name in theirs:  # The loss and rewards; DPO's and IPO's logits' means too.
         close(metrics[name], theirs[name], f"{where}: {name}")
+      close(metrics["grad_norm"], np.sqrt(sum(float((g.astype(np.float64) ** 2).sum())
+                                              for g in their_grads.values())),
+            f"{where}: grad_norm")
       assert set(grads) <= set(their_grads), sorted(set(grads) - set(their_grads))
       assert any(np.abs(g).max() > 1e-4 for g in their_grads.values())
       for name, g in grads.items():

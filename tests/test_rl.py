@@ -27,6 +27,17 @@ def test_rewards_are_weighted_and_kept_per_function():
   assert total == [0.5 * 3 + 2.0, 0.5 * 2, 0.5 * 4]
 
 
+def test_two_rewards_of_one_name_are_told_apart_by_their_file(tmp_path):
+  for stem in ("a", "b"):
+    (tmp_path / f"{stem}.py").write_text("def score(completions, **_):\n"
+                                         "  return [1.0] * len(completions)\n")
+  funcs = rewards.load([f"{tmp_path / 'a.py'}:score", f"{tmp_path / 'b.py'}:score",
+                        "rl_rewards:length"])
+  assert [f.name for f in funcs] == ["a_score", "b_score", "length"]
+  _, each = rewards.score(funcs, _call(["x", "yy"]))
+  assert set(each) == {"a_score", "b_score", "length"}
+
+
 @pytest.mark.parametrize("specs,weights,match", [
     ((), (), r"config\.rl\.rewards=\(\) names no reward function"),
     (("rl_rewards:missing",), (), r"'rl_rewards:missing': the module rl_rewards has no "

@@ -3,6 +3,8 @@
 # No `from __future__ import annotations`: clu reads metric classes from annotations.
 
 import functools
+from collections.abc import Mapping
+from typing import Any
 
 import flax
 import jax
@@ -183,6 +185,37 @@ def reported_name(field: str) -> str:
 def field_name(name: str) -> str:
   """The collection field of a reported metric name (`reported_name`'s inverse)."""
   return name.replace("/", GROUP_SEPARATOR)
+
+
+def collection_of(metric_classes: Mapping[str, type[metrics.Metric]]
+                  ) -> type[metrics.Collection]:
+  """A collection of `{reported name: metric class}` (`TRL`'s `rewards/chosen` as well as
+  `loss`), each metric reading the model output of its own name (`outputs`)."""
+  return metrics.Collection.create(**{field_name(n): cls.from_output(field_name(n))
+                                      for n, cls in metric_classes.items()})
+
+
+def outputs(values: Mapping[str, Any]) -> dict[str, Any]:
+  """Model outputs under reported names, as `collection_of`'s metrics read them."""
+  return {field_name(k): v for k, v in values.items()}
+
+
+def with_average(collection: metrics.Collection, name: str, value: jax.Array
+                 ) -> metrics.Collection:
+  """`collection` and one more metric, the `Average` of `value` under `name` (a field of
+  that name already there is left as it is)."""
+  fields = {k: v for k, v in vars(collection).items() if k != "_reduction_counter"}
+  if name in fields:
+    return collection
+  extended = _extended(tuple((k, type(v)) for k, v in fields.items()), name)
+  return extended(_reduction_counter=collection._reduction_counter,  # noqa: SLF001
+                  **fields, **{name: metrics.Average.from_model_output(value)})
+
+
+@functools.cache
+def _extended(fields: tuple[tuple[str, type], ...], name: str) -> type[metrics.Collection]:
+  """One class per collection layout, so that every step's collections merge."""
+  return metrics.Collection.create(**dict(fields), **{name: metrics.Average})
 
 
 def scalars(collection: metrics.Collection) -> dict[str, float]:

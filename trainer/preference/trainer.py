@@ -20,6 +20,7 @@ import ml_collections
 from clu import metrics as clu_metrics
 
 from models.moe import MoeOutput
+from trainer import metrics as metrics_lib
 from trainer.evaluation import MASK_KEY
 from trainer.language_model import LanguageModelTrainer
 from trainer.preference import losses as losses_lib
@@ -31,12 +32,14 @@ PyTree = Any
 
 
 #: The loss, the rewards of the chosen and rejected responses, how often and by how much the
-#: chosen one's is higher, and the policy's summed log-probs of each response (a clu
-#: `Collection` made here: this module's annotations are strings, which clu cannot read).
-PREFERENCE_METRICS = ("loss", "rewards_chosen", "rewards_rejected", "reward_accuracy",
-                      "reward_margin", "logps_chosen", "logps_rejected")
-PreferenceMetrics = clu_metrics.Collection.create(
-    **{name: clu_metrics.Average.from_output(name) for name in PREFERENCE_METRICS})
+#: chosen one's is higher, the policy's summed log-probs of each response and the mean of
+#: its logits over each response's tokens, under TRL 1.16's names (a clu `Collection` made
+#: here: this module's annotations are strings, which clu cannot read).
+PREFERENCE_METRICS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies",
+                      "rewards/margins", "logps/chosen", "logps/rejected", "logits/chosen",
+                      "logits/rejected")
+PreferenceMetrics = metrics_lib.collection_of(dict.fromkeys(PREFERENCE_METRICS,
+                                                            clu_metrics.Average))
 
 
 @flax.struct.dataclass
@@ -47,6 +50,9 @@ class PairOutputs:
 
   token_logps: jax.Array
   ref_logps: jax.Array | None = None
+  #: Each target's logits averaged over the vocabulary `[pairs, 2, length]` (TRL's
+  #: `logits/chosen`), without gradients.
+  mean_logits: jax.Array | None = None
   router: Any = None
   #: A sweep member's beta (a scalar array); None: `config.preference.beta`.
   beta: jax.Array | None = None
@@ -123,9 +129,11 @@ class PreferenceTrainer(LanguageModelTrainer):
                                              train=train)
     logits = outputs.logits if isinstance(outputs, MoeOutput) else outputs
     targets = batch[self.target_key]
-    token = losses_lib.token_logps(logits.reshape(*targets.shape, logits.shape[-1]), targets,
-                                   self.config.model.vocab_size)
-    return token, (outputs.router if isinstance(outputs, MoeOutput) else None), new_state
+    logits = logits.reshape(*targets.shape, logits.shape[-1])
+    token = losses_lib.token_logps(logits, targets, self.config.model.vocab_size)
+    mean = jax.lax.stop_gradient(logits[..., :self.config.model.vocab_size].astype(
+        jnp.float32).mean(-1))
+    return token, (outputs.router if isinstance(outputs, MoeOutput) else None), new_state, mean
 
   def apply_model(self, params: PyTree, model_state: PyTree, batch: Batch, *, rngs,
                   train: bool) -> tuple[PairOutputs, PyTree]:
@@ -135,7 +143,8 @@ class PreferenceTrainer(LanguageModelTrainer):
     passed = (reference_lib.REFERENCE, reference_lib.BETA)
     state = {k: v for k, v in model_state.items() if k not in passed}
     train = train and self.preference.dropout  # TRL's default: no dropout in the policy.
-    token, router, new_state = self._sequence_logps(params, state, batch, rngs, train)
+    token, router, new_state, mean_logits = self._sequence_logps(params, state, batch, rngs,
+                                                                 train)
     choice, ref = self.preference.reference, None
     if choice == "precomputed" and REF_LOGPS in batch:
       ref = batch[REF_LOGPS]
@@ -144,14 +153,14 @@ class PreferenceTrainer(LanguageModelTrainer):
     elif choice in ("copy", "adapters_off"):
       weights = (model_state[reference_lib.REFERENCE] if choice == "copy"
                  else reference_lib.adapters_off(params))
-      ref_token, _, _ = self._sequence_logps(jax.lax.stop_gradient(weights), state, batch,
-                                             rngs, False)
+      ref_token, _, _, _ = self._sequence_logps(jax.lax.stop_gradient(weights), state, batch,
+                                                rngs, False)
       ref = losses_lib.sequence_logps(ref_token, batch[LOSS_WEIGHTS])
     if ref is not None:
       ref = jax.lax.stop_gradient(ref)
     new_state = {**new_state, **{k: model_state[k] for k in passed if k in model_state}}
     beta = model_state[reference_lib.BETA] if reference_lib.BETA in model_state else None
-    return PairOutputs(token, ref, router, beta), new_state
+    return PairOutputs(token, ref, mean_logits=mean_logits, router=router, beta=beta), new_state
 
   # -- The loss ------------------------------------------------------------------------
 
@@ -182,10 +191,10 @@ class PreferenceTrainer(LanguageModelTrainer):
       loss = losses_lib.orpo(means[:, 0], means[:, 1], chosen_nll=nll,
                              batch_count=real.sum(), lam=p.orpo_lambda)
       rewards = p.orpo_lambda * means
-    return dict(loss=loss, rewards_chosen=rewards[:, 0], rewards_rejected=rewards[:, 1],
-                reward_accuracy=(rewards[:, 0] > rewards[:, 1]).astype(jnp.float32),
-                reward_margin=rewards[:, 0] - rewards[:, 1], logps_chosen=chosen,
-                logps_rejected=rejected)
+    return {"loss": loss, "rewards/chosen": rewards[:, 0], "rewards/rejected": rewards[:, 1],
+            "rewards/accuracies": (rewards[:, 0] > rewards[:, 1]).astype(jnp.float32),
+            "rewards/margins": rewards[:, 0] - rewards[:, 1], "logps/chosen": chosen,
+            "logps/rejected": rejected}
 
   def loss(self, outputs: PairOutputs, batch: Batch) -> jax.Array:
     """Each pair's `config.preference.loss`; a mixture of experts adds its router losses."""
@@ -197,13 +206,28 @@ class PreferenceTrainer(LanguageModelTrainer):
                      + self.config.moe.router_z_weight * router["router_z"])
     return loss
 
+  def _metric_values(self, outputs: PairOutputs, batch: Batch, mask=None) -> dict:
+    """`pair_terms`, and each response's mean logit over the batch's response tokens (TRL's
+    `logits/chosen` and `/rejected`: a sum over tokens over their count)."""
+    values = self.pair_terms(outputs, batch)
+    weights = batch[LOSS_WEIGHTS]
+    if mask is not None:
+      weights = weights * mask[:, None, None]
+    totals = (outputs.mean_logits * weights).sum(axis=(0, 2)) / jnp.maximum(
+        weights.sum(axis=(0, 2)), 1.0)
+    pairs = weights.shape[0]  # Each pair carries the batch's figure (an eval mask drops none).
+    values["logits/chosen"] = jnp.full((pairs,), totals[0])
+    values["logits/rejected"] = jnp.full((pairs,), totals[1])
+    return values
+
   def train_metrics(self, outputs: PairOutputs, batch: Batch, loss: jax.Array):
-    terms = self.pair_terms(outputs, batch)
-    return PreferenceMetrics.single_from_model_output(**{**terms, "loss": loss})
+    values = {**self._metric_values(outputs, batch), "loss": loss}
+    return PreferenceMetrics.single_from_model_output(**metrics_lib.outputs(values))
 
   def eval_metrics(self, outputs: PairOutputs, batch: Batch):
-    terms = self.pair_terms(outputs, batch)
-    return PreferenceMetrics.single_from_model_output(**terms, mask=batch[MASK_KEY])
+    values = self._metric_values(outputs, batch, mask=batch[MASK_KEY])
+    return PreferenceMetrics.single_from_model_output(**metrics_lib.outputs(values),
+                                                      mask=batch[MASK_KEY])
 
   def tokens_per_example(self, batch: Batch) -> int:
     """The real tokens of one pair's two sequences (a pair's share of the batch's)."""

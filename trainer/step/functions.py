@@ -18,6 +18,7 @@ import optax
 
 from strategies import Ensemble, Strategy
 from strategies.mesh import bind_size_one_batch_axis
+from trainer import metrics as metrics_lib
 from trainer.step.errors import explaining_errors
 from trainer.step.recipe import Recipe
 from trainer.step.rng_streams import RngStreams
@@ -144,15 +145,19 @@ class StepFunctions:
   def train(self, state, batch: Batch) -> tuple[Any, PyTree]:
     """One optimizer update: `(state, batch) -> (state, {'metrics', 'finite'})`.
 
-    `finite` says whether the mean loss and the gradient norm were finite.
+    `metrics` are the `train_metrics` hook's and `grad_norm`; `finite` says whether the mean
+    loss and the gradient norm were finite.
     """
     s = self.strategy
     key = s.replica_rng(jax.random.fold_in(state.rng, state.step))
     grads, aux = self._gradients(state.params, state.model_state, batch, key)
     grads = s.mean_over_data(grads)
-    finite = jnp.isfinite(s.mean_over_data(aux.loss)) & jnp.isfinite(optax.tree.norm(grads))
+    grad_norm = optax.tree.norm(grads)
+    finite = jnp.isfinite(s.mean_over_data(aux.loss)) & jnp.isfinite(grad_norm)
+    # The gradient's global norm before any clipping, as `grad_norm` (Hugging Face's name).
+    metrics = metrics_lib.with_average(aux.metrics, "grad_norm", grad_norm)
     return self._update(state, grads, aux, finite), {
-        "metrics": s.merge_metrics_over_data(aux.metrics), "finite": finite}
+        "metrics": s.merge_metrics_over_data(metrics), "finite": finite}
 
   # -- Eval and predict ------------------------------------------------------------------
 
