@@ -185,4 +185,4 @@ def finetune(config, workdir: str) -> None:
 
 
 if __name__ == "__main__":
-  app.run(main, flags_parser=config_lib.parse_flags)
+  config_lib.run(main)

@@ -164,4 +164,4 @@ def main(argv):
 if __name__ == "__main__":
   # An override of a field the config lacks is refused naming the field (and, under
   # sweep.grid, what can be swept) instead of ml_collections' bare AttributeError.
-  app.run(main, flags_parser=config_lib.parse_flags)
+  config_lib.run(main)

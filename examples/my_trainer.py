@@ -13,7 +13,6 @@ import sys
 
 import jax.numpy as jnp
 import numpy as np
-from absl import app
 
 # Run from a checkout without installing: the repository root holds the packages.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -59,4 +58,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main, flags_parser=config_lib.parse_flags)
+  config_lib.run(main)

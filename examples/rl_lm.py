@@ -144,4 +144,4 @@ def train(config, workdir: str) -> None:
 
 
 if __name__ == "__main__":
-  app.run(main, flags_parser=config_lib.parse_flags)
+  config_lib.run(main)

@@ -20,7 +20,7 @@ import json
 import os
 import sys
 
-from absl import app, flags
+from absl import flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # Run from a checkout without installing.
@@ -67,4 +67,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  from trainer import config as config_lib
+  config_lib.run(main, flags_parser=None)

@@ -89,8 +89,8 @@ def test_bad_records_are_named_or_skipped_and_counted(files, tmp_path):
   config = tiny_config(files, **{"preference.truncation": "refuse"})
   config.data.sources = (str(path),)
   reads = pdata.from_config(config, epochs=1)()
-  with pytest.raises(CorpusError, match=rf"{path}: line 5 has no text 'prompt', 'chosen' and "
-                                        rf"'rejected' fields"):
+  with pytest.raises(CorpusError, match=rf"{path}: line 5 has no 'rejected' field \(its "
+                                        rf"fields: 'prompt', 'chosen'\); a pair is text"):
     list(reads)
   config.data.bad_records = "skip"
   reads = pdata.from_config(config, epochs=1)()

@@ -10,17 +10,20 @@ a dataset or a checkpoint is touched. Checks that need another part (a batch
 size that must split over the strategy's data replicas, a mesh that must
 cover the devices) run when that part is built, still before any compute.
 
-`parse_flags` is absl's flag parsing for an entry point
-(`app.run(main, flags_parser=parse_flags)`), with an override of a field the
+`parse_flags` is absl's flag parsing for an entry point, with an override of a field the
 config does not have (`--config.sweep.grid.dropout_rate=...`) refused by
 naming the field and what the config has there, instead of ml_collections'
-bare `AttributeError`.
+bare `AttributeError`. `run(main)` is `absl.app.run` with it, where a refusal (bad input,
+a run that cannot go on: `is_refusal`) prints its message alone and exits with status 1;
+`--verbosity=1` shows its traceback.
 """
 
 from __future__ import annotations
 
 import difflib
-from collections.abc import Sequence
+import os
+import sys
+from collections.abc import Callable, Sequence
 
 import ml_collections
 
@@ -185,3 +188,51 @@ def load_config_file(path: str) -> ml_collections.ConfigDict:
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   return module.get_config(arg) if arg else module.get_config()
+
+
+#: Refusals beyond `ValueError` and `OSError`: `(module, class name)`, looked up only where
+#: that module is loaded (an exception of its class cannot exist otherwise).
+_REFUSALS = (("trainer.checkpoint.checks", "CheckpointError"),
+             ("trainer.run.lock", "WorkdirInUseError"),
+             ("trainer.loop.driver", "NonFiniteError"))
+
+
+def is_refusal(error: BaseException) -> bool:
+  """Whether `error` says what to change rather than where the code broke: bad input
+  (`ValueError`, and its kinds: a config field, a corpus record, a reward's return), a file
+  that cannot be read or written (`OSError`), an unreadable checkpoint, a workdir another run
+  holds, a run stopped by a non-finite loss."""
+  if isinstance(error, ValueError | OSError):
+    return True
+  for module, name in _REFUSALS:
+    loaded = sys.modules.get(module)
+    if loaded is not None and isinstance(error, getattr(loaded, name)):
+      return True
+  return False
+
+
+def _program() -> str:
+  """The command's name: a module run with `-m` (`trainer.export`), else the script's."""
+  spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+  return spec.name if spec is not None and spec.name else os.path.basename(sys.argv[0])
+
+
+def run(main: Callable[[list[str]], None], *,
+        flags_parser: Callable[[list[str]], list[str]] | None = parse_flags) -> None:
+  """`absl.app.run(main)` (with `flags_parser`; None: absl's own), where a refusal
+  (`is_refusal`) ends the program with its message alone, `<program>: <message>`, and
+  status 1, instead of a traceback; with `--verbosity=1` (or more) the traceback shows."""
+  from absl import app, flags
+
+  def guarded(argv):
+    try:
+      return main(argv)
+    except Exception as e:
+      if not is_refusal(e) or flags.FLAGS["verbosity"].value >= 1:
+        raise
+      sys.exit(f"{_program()}: {e}")
+
+  if flags_parser is None:
+    app.run(guarded)
+  else:
+    app.run(guarded, flags_parser=flags_parser)

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from typing import Any
 
 from absl import app, flags
@@ -146,16 +145,14 @@ def main(argv):
     raise app.UsageError("--workdir and --out are required.")
   from trainer.distributed import devices
   devices.initialize(1)
-  try:
-    names = export_checkpoint(FLAGS.workdir, FLAGS.out, step=FLAGS.step, member=FLAGS.member,
-                              config=run_config(FLAGS.workdir, FLAGS.config),
-                              dtype=FLAGS.dtype)
-  except ValueError as e:
-    sys.exit(f"trainer.export: {e}")
+  names = export_checkpoint(FLAGS.workdir, FLAGS.out, step=FLAGS.step, member=FLAGS.member,
+                            config=run_config(FLAGS.workdir, FLAGS.config),
+                            dtype=FLAGS.dtype)
   print(f"wrote {len(names)} tensors to {os.path.join(FLAGS.out, 'model.safetensors')} "
         f"and {os.path.join(FLAGS.out, 'config.json')}, and the tokenizer's files")
 
 
 if __name__ == "__main__":
   _define_flags()
-  app.run(main)
+  from trainer import config as config_lib
+  config_lib.run(main, flags_parser=None)

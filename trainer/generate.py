@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import sys
 
 from absl import app, flags
 
@@ -186,17 +185,14 @@ def main(argv):
   from trainer.distributed import devices
   from trainer.generation import Sampling
   devices.initialize(FLAGS.num_cpu_devices)
-  try:
-    config = run_config(FLAGS.workdir, FLAGS.init_from, FLAGS.config)
-    prompts = read_prompts(FLAGS.prompt, FLAGS.prompts_file)
-    sampling = Sampling(max_new_tokens=FLAGS.max_new_tokens, temperature=FLAGS.temperature,
-                        top_k=FLAGS.top_k, top_p=FLAGS.top_p)
-    shown, continuations = generate(
-        config, prompts, step=FLAGS.step, member=FLAGS.member, strategy=FLAGS.strategy,
-        tokenizer=FLAGS.tokenizer, token_ids=FLAGS.token_ids, sampling=sampling,
-        seed=FLAGS.seed, stop_ids=FLAGS.stop_ids)
-  except (ValueError, OSError) as e:
-    sys.exit(f"trainer.generate: {e}")
+  config = run_config(FLAGS.workdir, FLAGS.init_from, FLAGS.config)
+  prompts = read_prompts(FLAGS.prompt, FLAGS.prompts_file)
+  sampling = Sampling(max_new_tokens=FLAGS.max_new_tokens, temperature=FLAGS.temperature,
+                      top_k=FLAGS.top_k, top_p=FLAGS.top_p)
+  shown, continuations = generate(
+      config, prompts, step=FLAGS.step, member=FLAGS.member, strategy=FLAGS.strategy,
+      tokenizer=FLAGS.tokenizer, token_ids=FLAGS.token_ids, sampling=sampling,
+      seed=FLAGS.seed, stop_ids=FLAGS.stop_ids)
   if devices.is_primary():
     for i, (prompt, continuation) in enumerate(zip(shown, continuations, strict=True)):
       print(f"[{i}] {json.dumps(prompt) if FLAGS.token_ids else prompt!r}")
@@ -205,4 +201,5 @@ def main(argv):
 
 if __name__ == "__main__":
   _define_flags()
-  app.run(main)
+  from trainer import config as config_lib
+  config_lib.run(main, flags_parser=None)

@@ -36,7 +36,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -383,19 +382,16 @@ def main(argv):
   from trainer import generate as command
   from trainer.distributed import devices
   devices.initialize(flags_.num_cpu_devices)
-  try:
-    tasks = [t for t in flags_.tasks.split(",") if t]
-    if not tasks:
-      raise ValueError("--tasks: give one or more task names, comma-separated.")
-    manager = task_manager(flags_.include_path, builtin=flags_.builtin_tasks)
-    check_tasks(tasks, manager)
-    config = command.run_config(flags_.workdir, flags_.init_from, flags_.config)
-    trainer = command.build_trainer(config, step=flags_.step, member=flags_.member,
-                                    strategy=flags_.strategy)
-    lm = HarnessLM.from_trainer(trainer, command.restored_state(trainer), flags_.tokenizer)
-    results = evaluate(lm, tasks, limit=flags_.limit or None, manager=manager)
-  except (ValueError, OSError) as e:
-    sys.exit(f"trainer.harness: {e}")
+  tasks = [t for t in flags_.tasks.split(",") if t]
+  if not tasks:
+    raise ValueError("--tasks: give one or more task names, comma-separated.")
+  manager = task_manager(flags_.include_path, builtin=flags_.builtin_tasks)
+  check_tasks(tasks, manager)
+  config = command.run_config(flags_.workdir, flags_.init_from, flags_.config)
+  trainer = command.build_trainer(config, step=flags_.step, member=flags_.member,
+                                  strategy=flags_.strategy)
+  lm = HarnessLM.from_trainer(trainer, command.restored_state(trainer), flags_.tokenizer)
+  results = evaluate(lm, tasks, limit=flags_.limit or None, manager=manager)
   for name, value in sorted(scalar_metrics(results).items()):
     print(f"{name.removeprefix('harness/')}: {value:.4f}")
 
@@ -412,7 +408,7 @@ def _define_flags():
 
 
 if __name__ == "__main__":
-  from absl import app
   os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
   _define_flags()
-  app.run(main)
+  from trainer import config as config_lib
+  config_lib.run(main, flags_parser=None)

@@ -495,6 +495,6 @@ def _define_flags():
 
 
 if __name__ == "__main__":
-  from absl import app
+  from trainer import config as config_lib
   _define_flags()
-  app.run(main)
+  config_lib.run(main, flags_parser=None)

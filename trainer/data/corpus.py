@@ -39,6 +39,8 @@ import glob
 import json
 import logging
 import os
+from collections.abc import Mapping
+from typing import Any
 
 import grain
 import numpy as np
@@ -323,7 +325,7 @@ class ShardIterator(grain.DatasetIterator):
     kind, out = self._examples(value)
     if kind is not None:
       self._piece = 0
-      self._bad(kind, self._record)
+      self._bad(kind, self._record, value)
       return
     self._empty_epochs = 0
     self._pending = out[self._piece:]
@@ -349,7 +351,7 @@ class ShardIterator(grain.DatasetIterator):
       out = pieces(self.tokenizer(value), self.length) if value.strip() else []
     return (None, out) if out else ("empty", [])
 
-  def _bad(self, kind: str, record: int) -> None:
+  def _bad(self, kind: str, record: int, value: Any = None) -> None:
     path = self._files(self._epoch)[self._file]
     unit = {"jsonl": "line", "parquet": "row"}.get(format_of(path), "record")
     what = {"malformed": "is not a JSON object", "missing_field":
@@ -361,7 +363,9 @@ class ShardIterator(grain.DatasetIterator):
                             f"{self.chat and self.chat['prompt_field']!r} and "
                             f"{self.chat and self.chat['response_field']!r} fields"}.get(kind)
     if what is None:
-      what = self.encode.describe(kind)
+      what = self.encode.describe(kind, value)
+    elif kind in ("missing_field", "missing_chat") and isinstance(value, Mapping):
+      what += f" (its fields: {', '.join(map(repr, value)) or 'none'})"
     message = f"{path}: {unit} {record + 1} {what}"
     if self.bad_records == "stop":
       raise CorpusError(f"{message}. config.data.bad_records='stop'; set it to 'skip' to "

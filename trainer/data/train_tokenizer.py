@@ -138,7 +138,6 @@ def _define_flags():
 
 
 def main(argv):
-  import sys
 
   from absl import flags
 
@@ -146,20 +145,17 @@ def main(argv):
   if len(argv) > 1:
     raise SystemExit(f"Unexpected arguments: {argv[1:]}")
   f = flags.FLAGS
-  try:
-    source = corpus.resolve(f.files, field=f.field, weight=1.0, where="--files")
-    tokenizer, documents = train_tokenizer(
-        records.texts(source.files, f.field), f.out, vocab_size=f.vocab_size, bos=f.bos,
-        eos=f.eos, add_bos=f.add_bos, template=f.chat_template,
-        min_frequency=f.min_frequency)
-  except CorpusError as e:
-    sys.exit(f"trainer.data.train_tokenizer: {e}")
+  source = corpus.resolve(f.files, field=f.field, weight=1.0, where="--files")
+  tokenizer, documents = train_tokenizer(
+      records.texts(source.files, f.field), f.out, vocab_size=f.vocab_size, bos=f.bos,
+      eos=f.eos, add_bos=f.add_bos, template=f.chat_template,
+      min_frequency=f.min_frequency)
   print(f"wrote a {tokenizer.get_vocab_size()}-token byte-level BPE tokenizer trained on "
         f"{documents} documents of {len(source.files)} file(s) to {f.out} (tokenizer.json, "
         f"tokenizer_config.json)")
 
 
 if __name__ == "__main__":
-  from absl import app
   _define_flags()
-  app.run(main)
+  from trainer import config as config_lib
+  config_lib.run(main, flags_parser=None)

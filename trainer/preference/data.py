@@ -64,6 +64,17 @@ def _is_turns(value: Any) -> bool:
       and isinstance(m.get("content"), str) for m in value)
 
 
+def _fields_wrong(record: Mapping, fields: Sequence[str]) -> str:
+  """What a record lacks among `fields`: the missing ones, else each one's type."""
+  missing = [f for f in fields if f not in record]
+  if missing:
+    return (f"no {' and no '.join(map(repr, missing))} field (its fields: "
+            f"{', '.join(map(repr, record)) or 'none'})")
+  kinds = ", ".join(f"{f!r} {'turns' if _is_turns(record[f]) else type(record[f]).__name__}"
+                    for f in fields)
+  return f"fields of kinds that do not pair ({kinds})"
+
+
 class PairEncoder:
   """A preference record as one row (`corpus.ShardIterator`'s `encode`).
 
@@ -84,8 +95,12 @@ class PairEncoder:
     self.eos_text = tokenizer.tokenizer.id_to_token(eos) if eos is not None else ""
     self.pad_id = eos if eos is not None else 0
 
-  def describe(self, kind: str) -> str:
+  def describe(self, kind: str, record: Any = None) -> str:
     prompt, chosen, rejected = self.fields
+    if kind == "missing_pair" and isinstance(record, Mapping):
+      return f"has {_fields_wrong(record, self.fields)}; a pair is text {prompt!r}, " \
+             f"{chosen!r} and {rejected!r} fields, or {chosen!r} and {rejected!r} lists of " \
+             f"turns (and a prompt of turns, or none)"
     return {"missing_pair": f"has no text {prompt!r}, {chosen!r} and {rejected!r} fields "
                             f"(nor {chosen!r} and {rejected!r} lists of turns)",
             "empty_response": f"has an empty {chosen!r} or {rejected!r} response",

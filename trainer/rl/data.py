@@ -53,7 +53,10 @@ class PromptEncoder:
     self.record_length = record_length
     self.pad_id = tokenizer.eos_id if tokenizer.eos_id is not None else 0
 
-  def describe(self, kind: str) -> str:
+  def describe(self, kind: str, record: Any = None) -> str:
+    if kind == "missing_prompt" and isinstance(record, Mapping) and self.field not in record:
+      return (f"has no prompt field {self.field!r} (its fields: "
+              f"{', '.join(map(repr, record)) or 'none'}; config.rl.prompt_field names it)")
     return {"missing_prompt": f"has no prompt {self.field!r} (text, or a list of turns)",
             "too_long": f"holds a prompt longer than config.rl.max_prompt_length="
                         f"{self.length} tokens",
