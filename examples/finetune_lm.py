@@ -172,8 +172,9 @@ def finetune(config, workdir: str) -> None:
   if not is_primary():
     return
   held_tokens = sum(int((b["segment_ids"] > 0).sum()) for b in held_out)
+  lm_setup.report_stop(result, config.num_train_steps, workdir)
   print(f"validation loss: before={before:.4f} after={after:.4f} "
-        f"({config.num_train_steps} steps of {config.batch_size} packed rows of "
+        f"({result.step} steps of {config.batch_size} packed rows of "
         f"{config.seq_len} tokens from {', '.join(config.data.sources)}; {held_tokens} "
         f"held-out tokens)")
   for prompt, continuation in samples:

@@ -106,6 +106,26 @@ def harness_actions(trainer, writer, tokenizer_path: str, every_steps: int,
                       prompts=values.harness_prompts, max_new_tokens=max_new_tokens)]
 
 
+def report_stop(result, num_steps: int, workdir: str) -> None:
+  """Prints that a run stopped before its end (Ctrl-C, SIGTERM, early stopping), where,
+  and how it resumes; nothing for a run that finished (`<workdir>/status.json` says the
+  same for a script: `trainer.loop.status`)."""
+  from trainer.sweep import FINISHED
+  if result.stopped_by in (None, FINISHED) or result.step >= num_steps:
+    return
+  print(f"stopped at step {result.step} of {num_steps} ({result.stopped_by}); the figures "
+        f"below are step {result.step}'s, and the same command resumes the run from "
+        f"{workdir}")
+
+
+def sweep_ties(workdir: str) -> str:
+  """` (tied with <labels>: the first is kept)` where the sweep's best members tied on its
+  metric (`sweep.json`'s best `tied_with`), else ''."""
+  with open(os.path.join(workdir, "sweep.json")) as f:
+    tied = (json.load(f).get("best") or {}).get("tied_with")
+  return f" (tied with {'; '.join(tied)}: the first is kept)" if tied else ""
+
+
 def export_with_tokenizer(source: str, out: str, config, tokenizer_path: str) -> list[str]:
   """Exports the latest checkpoint of `source` (a workdir, or a sweep's `sweep_best`) as an
   HF model in `out`, with the tokenizer's files (its chat template and special tokens go

@@ -137,19 +137,21 @@ def align(config, workdir: str) -> None:
   after = held_out_rewards(trainer, result.state, held_out) if held_out else None
   if not is_primary():
     return
+  lm_setup.report_stop(result, config.num_train_steps, workdir)
   if before is not None:
     print(f"held-out pairs ({config.preference.loss}): reward accuracy "
           f"{before['rewards/accuracies']:.3f} -> {after['rewards/accuracies']:.3f}, margin "
           f"{before['rewards/margins']:.4f} -> {after['rewards/margins']:.4f}, loss "
-          f"{before['loss']:.4f} -> {after['loss']:.4f} ({config.num_train_steps} steps of "
-          f"{config.batch_size} pairs)")
+          f"{before['loss']:.4f} -> {after['loss']:.4f} "
+          f"({result.step} steps of {config.batch_size} pairs"
+          f"{', the members mean' if trainer.sweep is not None else ''})")
   out = os.path.join(workdir, "hf")
   source = workdir  # A sweep's best member, a single-model checkpoint of its own.
   if trainer.sweep is not None:
     source = os.path.join(workdir, "sweep_best")
     with open(os.path.join(workdir, "sweep_best_config.json")) as f:
       print(f"sweep: best beta={json.load(f)['preference']['beta']:g} by held-out "
-            f"{config.sweep.metric}")
+            f"{config.sweep.metric}{lm_setup.sweep_ties(workdir)}")
   names = lm_setup.export_with_tokenizer(source, out, config, tokenizer_path)
   logging.info("exported %d tensors", len(names))
   print(f"exported to {out} (config.json, model.safetensors, tokenizer.json)")

@@ -127,8 +127,9 @@ def train(config, workdir: str) -> None:
   after = trainer.evaluate(result.state, held_out)["reward"]
   if not is_primary():
     return
+  lm_setup.report_stop(result, config.num_train_steps, workdir)
   print(f"held-out mean reward: before={before:.3f} after={after:.3f} "
-        f"({config.num_train_steps} steps of {config.batch_size} prompts x "
+        f"({result.step} steps of {config.batch_size} prompts x "
         f"{config.rl.num_generations} completions, {config.rl.loss}"
         f"{', the members mean' if trainer.sweep is not None else ''})")
   if trainer.sweep is not None:
@@ -136,7 +137,7 @@ def train(config, workdir: str) -> None:
       print(f"member {trainer.sweep.label(i)}: held-out mean reward {values['reward']:.3f}")
     with open(os.path.join(workdir, "sweep_best_config.json")) as f:
       print(f"sweep: best learning_rate={json.load(f)['learning_rate']:g} by held-out "
-            f"{config.sweep.metric}")
+            f"{config.sweep.metric}{lm_setup.sweep_ties(workdir)}")
   if config.model.family in families.FAMILIES:
     out = os.path.join(workdir, "hf")
     lm_setup.export_with_tokenizer(workdir, out, config, tokenizer_path)

@@ -226,3 +226,14 @@ def test_a_rule_table_that_shards_no_parameter_is_refused_naming_the_rule():
 def test_a_rule_table_that_shards_a_parameter_does_not_warn(recwarn):
   MLPTrainer(mlp_config()).init_state(vector_batches(1, 16, 8)[0])
   assert not [w for w in recwarn if "logical_axis_rules" in str(w.message)]
+
+
+def test_startup_is_this_programs_own_time_not_the_shells_before_it():
+  """A shell that runs Python in its own process (`bash -c "pip ... && python ..."` does
+  for its last command) spent 3 s first: the run's startup does not count them."""
+  import subprocess
+  import sys
+  script = "import trainer; from trainer.loop import timing; print(timing.startup_seconds())"
+  run = subprocess.run(["bash", "-c", f"sleep 3 && exec {sys.executable} -c '{script}'"],
+                       capture_output=True, text=True, timeout=120, check=True)
+  assert 0.0 <= float(run.stdout) < 3.0, run.stdout

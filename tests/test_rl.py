@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import rl_setup
+from recorder import Recorder
 from rl_setup import ROOT, rl_config
 
 from trainer import metrics as metrics_lib
@@ -209,8 +210,13 @@ def test_a_sweep_over_the_learning_rate_trains_each_member_as_its_own_run(task):
       "strategy.name": "sharded_ensemble", "ensemble_size": 0,
       "strategy.ensemble_mesh_shape": (2, -1), "strategy.logical_axis_rules": ()})
   config.sweep.grid.learning_rate = rates
+  config.sweep.metric, config.log_every_steps = "reward", 1
   trainer = RLTrainer(config)
-  swept = trainer.fit(rl_data.from_config(config), num_steps=2)
+  sink = Recorder()
+  swept = trainer.fit(rl_data.from_config(config), num_steps=2, writer=sink)
+  for step in (1, 2):  # Each member's train reward, under its label; their mean is the run's.
+    each = [sink.scalars[step][f"train/learning_rate={r:g}/reward"] for r in rates]
+    np.testing.assert_allclose(np.mean(each), sink.scalars[step]["train/reward"], rtol=1e-6)
   members = jax.device_get(trainer.strategy.to_canonical(swept.state).params)
   for i, rate in enumerate(rates):
     single = rl_config(task, optimizer="sgd", learning_rate=rate)
@@ -223,7 +229,6 @@ def test_harness_tasks_run_on_the_policy_during_rl(task, monkeypatch):
   """`trainer.harness.HarnessEval` as an action of an RL run under FSDP: lm-eval's tasks
   scored on the policy in its layout, and a generation, at the run's end."""
   pytest.importorskip("lm_eval")
-  from recorder import Recorder
 
   from trainer.harness import HarnessEval
   from trainer.rl import RLTrainer

@@ -119,6 +119,13 @@ def test_results_by_label_the_best_member_and_its_export(tmp_path, monkeypatch):
   # `Evaluate`'s ensemble metrics (equal to evaluating the final state again) share a pass.
   chunks = sum(len(list(trainer.evaluator.chunks(b))) for b in image_batches(2, 16, seed=9))
   assert counted["step"].calls == 2 * chunks
+  # Each member's own train loss under its label (`MemberTrainMetrics`): their mean is the
+  # ensemble's `train/loss`.
+  for step in sorted({r["step"] for r in rows if r["split"] == "train"}):
+    losses = {r["split"]: r["loss"] for r in rows if r["step"] == step and "loss" in r}
+    assert {f"train/{label}" for label in labels} <= set(losses), sorted(losses)
+    np.testing.assert_allclose(np.mean([losses[f"train/{label}"] for label in labels]),
+                               losses["train"], rtol=1e-5)
   (final,) = [r for r in rows if r["split"] == "eval" and r["step"] == 4]
   again = trainer.evaluate(result.state, image_batches(2, 16, seed=9))
   assert counted["step"].calls == 3 * chunks  # A plain iterable is evaluated anew.
@@ -216,3 +223,18 @@ def test_a_grid_is_the_product_of_its_values_times_the_seeds():
 def test_a_sweep_that_cannot_run_is_refused_naming_the_numbers(overrides, message):
   with pytest.raises(ValueError, match=message):
     FlaxStyleTrainer(_config(**overrides))
+
+
+def test_best_members_that_tie_are_named_as_tied(tmp_path):
+  """Clipping at norms no gradient reaches: the members train alike and tie on accuracy,
+  and the summary says the first is kept over the other rather than calling it a choice."""
+  config = _config(**{"strategy.name": "sharded_ensemble", "strategy.ensemble_mesh_shape":
+                      (2, 1), "sweep.grid.grad_clip_norm": (1e6, 1e7),
+                      "sweep.metric": "accuracy", "sweep.mode": "max", "eval_every_steps": 2})
+  trainer = FlaxStyleTrainer(config)
+  workdir = tmp_path / "sweep"
+  trainer.fit(image_batches(2, 16), num_steps=2, workdir=str(workdir),
+              eval_batches=lambda: image_batches(1, 16, seed=9))
+  best = json.loads((workdir / "sweep.json").read_text())["best"]
+  assert best["label"] == trainer.sweep.label(0)
+  assert best["tied_with"] == [trainer.sweep.label(1)]

@@ -22,6 +22,14 @@ def test_each_write_is_on_disk_before_close(tmp_path):
   writer.close()
 
 
+def test_a_key_splits_at_its_first_part_and_a_members_label():
+  assert writers.split_of("train/loss") == ("train", "loss")
+  assert writers.split_of("train/rewards/chosen") == ("train", "rewards/chosen")
+  assert writers.split_of("eval/lr=0.1,seed=2/rewards/chosen") == ("eval/lr=0.1,seed=2",
+                                                                    "rewards/chosen")
+  assert writers.split_of("lr") == (None, "lr")
+
+
 def test_weights_and_biases_logs_offline_and_a_restart_resumes_the_same_run(tmp_path,
                                                                             monkeypatch):
   """`config.writers` with 'wandb', in W&B's offline mode (no network): the scalars and the

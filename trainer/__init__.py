@@ -8,13 +8,20 @@ Modules that moved when `trainer/` became packages keep their old import path
 `trainer.distributed.launch`), with a `FutureWarning` naming the new one.
 """
 
-import importlib
-import importlib.abc
-import importlib.util
-import sys
-import warnings
+import time
 
-from trainer import _lazy, console
+#: When this program's own work began: `trainer.loop.timing` counts a run's startup from
+#: here (a shell that started Python in its own process, `bash -c "pip ... && python ..."`,
+#: did its part before).
+IMPORTED = time.monotonic()
+
+import importlib  # noqa: E402
+import importlib.abc  # noqa: E402
+import importlib.util  # noqa: E402
+import sys  # noqa: E402
+import warnings  # noqa: E402
+
+from trainer import _lazy, console  # noqa: E402
 
 console.quiet()  # Before jax or TensorFlow start: their notices are not failures.
 

@@ -177,13 +177,23 @@ class MultiWriter(ScalarWriter):
       w.close()
 
 
-class JsonlWriter(ScalarWriter):
-  """Appends one JSON object per `write_scalars` call: `step`, `split`, and the scalars;
-  and to `texts_path` (`texts.jsonl` beside it by default), one per text: `step`, `name`,
-  `text`.
+def split_of(key: str) -> tuple[str | None, str]:
+  """`(split, name)` of a scalar's key: its first part is the split (`train`, `eval`,
+  `harness`), and a sweep member's label after it (`eval/learning_rate=0.1/accuracy`) is
+  part of the split; the rest is the name, slashes and all (TRL's `rewards/chosen`). A key
+  without a slash has no split."""
+  parts = key.split("/")
+  if len(parts) == 1:
+    return None, key
+  n = 2 if len(parts) > 2 and "=" in parts[1] else 1
+  return "/".join(parts[:n]), "/".join(parts[n:])
 
-  Keys of the form `split/name` (as the Trainer writes them) give the split;
-  keys without a prefix are written under `split: null`.
+
+class JsonlWriter(ScalarWriter):
+  """Appends one JSON object per `write_scalars` call and split: `step`, `split`, and the
+  scalars (`split_of`: `train/rewards/chosen` is split `train`, name `rewards/chosen`);
+  and to `texts_path` (`texts.jsonl` beside it by default), one per text: `step`, `name`,
+  `text`. Keys without a prefix are written under `split: null`.
   """
 
   def __init__(self, path: str, texts_path: str | None = None):
@@ -204,8 +214,8 @@ class JsonlWriter(ScalarWriter):
   def write_scalars(self, step: int, scalars: Mapping[str, Any]):
     by_split: dict[str | None, dict[str, float]] = {}
     for key, value in scalars.items():
-      split, _, name = key.rpartition("/")
-      by_split.setdefault(split or None, {})[name] = float(value)
+      split, name = split_of(key)
+      by_split.setdefault(split, {})[name] = float(value)
     for split, values in by_split.items():
       self._file.write(json.dumps({"step": int(step), "split": split, **values}) + "\n")
 

@@ -13,6 +13,8 @@ gives them:
 6. `Checkpoint` saves the run periodically, at each evaluation when it keeps
    the best checkpoints by a metric, and at the end (so a stopped run is saved).
 7. `Profile` traces a window of steps with `jax.profiler`.
+8. `RecordStatus` writes `<workdir>/status.json`: running, finished, stopped or failed
+   (`trainer.loop.status`).
 
 Each gets the parts it needs when it is built (a writer, the evaluator, the
 save function), never the Trainer.
@@ -36,6 +38,7 @@ from trainer import throughput as throughput_lib
 from trainer.checkpoint import Checkpointer, save_run
 from trainer.loop.actions import Action, Produced, StepView, next_multiple
 from trainer.loop.reporting import ReportMetrics, ReportSpikes
+from trainer.loop.status import RecordStatus
 from trainer.step.recipe import Recipe
 
 if TYPE_CHECKING:  # Only annotations: clu's writers import TensorFlow (seconds).
@@ -356,14 +359,16 @@ class Profile(Action):
 
 
 def with_user_actions(defaults: list[Action], user: list[Action]) -> list[Action]:
-  """`user` inserted before the first `Checkpoint` of `defaults` (else at the end).
+  """`user` inserted before the first `Checkpoint` of `defaults` (else before
+  `RecordStatus`, else at the end).
 
   Then a checkpoint of step s holds the user actions' state after step s.
 
   Raises:
     ValueError: two actions that save state share a name (their states would collide).
   """
-  at = next((i for i, a in enumerate(defaults) if isinstance(a, Checkpoint)), len(defaults))
+  at = next((i for i, a in enumerate(defaults) if isinstance(a, Checkpoint | RecordStatus)),
+            len(defaults))
   actions = [*defaults[:at], *user, *defaults[at:]]
   names = [a.name for a in actions if a.state_dict() is not None]
   dup = {n for n in names if names.count(n) > 1}
@@ -424,6 +429,8 @@ def from_config(config: ml_collections.ConfigDict, *, writer: metric_writers.Met
         step_dir=checkpointer.step_dir, every_steps=checkpointer.every_steps,
         eval_every_steps=config.eval_every_steps if checkpointer.best_metric else 0))
   actions.extend(_profile(config, workdir))
+  if workdir:  # Last: `finished` once the final checkpoint is saved.
+    actions.append(RecordStatus(workdir))
   return actions
 
 
@@ -472,5 +479,6 @@ def __getattr__(name: str):
   raise AttributeError(f"module 'trainer.loop.builtin' has no attribute {name!r}")
 
 
-__all__ = ["Checkpoint", "EarlyStopping", "Evaluate", "Profile", "RecordConfig", "ReportMetrics",
-           "ReportSpikes", "StopOnSignal", "check_config", "from_config", "with_user_actions"]
+__all__ = ["Checkpoint", "EarlyStopping", "Evaluate", "Profile", "RecordConfig", "RecordStatus",
+           "ReportMetrics", "ReportSpikes", "StopOnSignal", "check_config", "from_config",
+           "with_user_actions"]

@@ -38,18 +38,14 @@ WATCHDOG_EXIT_CODE = 75
 
 
 def process_seconds() -> float:
-  """Seconds since this process started (Linux: from /proc; else since this module loaded)."""
-  try:
-    with open("/proc/self/stat") as f:
-      start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
-    with open("/proc/uptime") as f:
-      uptime = float(f.read().split()[0])
-    return max(uptime - start_ticks / os.sysconf("SC_CLK_TCK"), 0.0)
-  except (OSError, ValueError, IndexError):
-    return time.monotonic() - _LOADED
+  """Seconds since this program's own work began: since the `trainer` package was first
+  imported. (Not since the process began: a shell that runs Python as its last command,
+  `bash -c "pip install ... && python ..."`, gives it its own process, and the install's
+  minutes would count as this run's startup.)"""
+  import trainer
+  return time.monotonic() - trainer.IMPORTED
 
 
-_LOADED = time.monotonic()
 _LAST_LOOP_END: float | None = None
 
 

@@ -27,6 +27,7 @@ from trainer.sweep.members import Sweep
 from trainer.sweep.optimizer import single_model_opt_state
 from trainer.sweep.scheduler_base import Scheduler
 from trainer.sweep.select import Selection
+from trainer.sweep.train_report import MemberTrainMetrics
 
 if TYPE_CHECKING:  # Only annotations: clu's writers import TensorFlow (seconds).
   from clu import metric_writers
@@ -319,6 +320,12 @@ def summarize(state: PyTree, step: int, results: list[dict[str, float]], best: i
   logging.info("Sweep at step %d, best %s (%s):\n%s", step,
                f"member {slot}" if slot is not None else f"trial {trial}", sweep.label(trial),
                format_table(rows, ["label", *names]))
+  tied = [r["label"] for i, r in enumerate(rows)
+          if i != slot and best_row.get(metric) is not None and r.get(metric) == best_row[metric]]
+  if tied:  # argmax keeps the first: say that the choice among them was no choice.
+    best_row = {**best_row, "tied_with": tied}
+    logging.info("Sweep: %s tie with the best (%s=%s); the first is the one kept.",
+                 ", ".join(tied), metric, best_row[metric])
   if not _write_summary(workdir, step, metric, config, scheduler, best_row, rows):
     return
   plot_rows, plot_best = rows, best
@@ -366,7 +373,8 @@ def actions(sweep: Sweep, config: ml_collections.ConfigDict, *, strategy: Any,
             init_members: Callable[[list[int]], PyTree] | None = None,
             labels: Callable[[PyTree], PyTree] | None = None) -> list[Action]:
   """The sweep's actions for a run: with `config.sweep.lr_find`, the range test's `LrFind`;
-  with `eval_batches`, its `SweepReport`, which evaluates every member at each
+  each member's train loss and metric (`MemberTrainMetrics`); with `eval_batches`, its
+  `SweepReport`, which evaluates every member at each
   evaluation, applies the scheduler's choices (`config.sweep.scheduler`) and summarizes
   the sweep at the end (`summarize`, `export_member`).
 
@@ -384,8 +392,12 @@ def actions(sweep: Sweep, config: ml_collections.ConfigDict, *, strategy: Any,
   """
   found = ([LrFind(sweep, fetch_metrics=strategy.fetch_metrics, workdir=workdir)]
            if config.sweep.lr_find else [])
+  member_train = functools.partial(
+      MemberTrainMetrics, writer, fetch_metrics=strategy.fetch_metrics,
+      names=("loss", config.sweep.metric) if config.sweep.metric else ("loss",),
+      every_steps=config.log_every_steps)
   if eval_batches is None:  # Nothing to report or choose from.
-    return found
+    return found + [member_train(labels=lambda: [sweep.label(i) for i in range(len(sweep))])]
   export = functools.partial(export_member, sweep=sweep, config=config, strategy=strategy,
                              num_train_steps=num_train_steps, labels=labels)
   if sweep.scheduler == "study":  # Opens (or creates) the study: its storage is checked here.
@@ -394,7 +406,8 @@ def actions(sweep: Sweep, config: ml_collections.ConfigDict, *, strategy: Any,
   else:
     scheduler = schedulers.create(config, sweep, slots=strategy.num_members, budget=0)
   selection = Selection(scheduler, init_members=init_members, export=export, workdir=workdir)
-  return found + [SweepReport(writer, evaluate_members, eval_batches, selection=selection,
+  return found + [member_train(labels=selection.labels),
+                  SweepReport(writer, evaluate_members, eval_batches, selection=selection,
                       every_steps=config.eval_every_steps, metric=config.sweep.metric,
                       mode=config.sweep.mode,
                       summarize=functools.partial(summarize, sweep=sweep, scheduler=scheduler,
