@@ -32,11 +32,17 @@ CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\
 CHAT_TOKENS = ["<|im_start|>", "<|im_end|>"]
 
 
+#: The end of a document, as GPT-2's tokenizer names it: a tokenizer trained here has it,
+#: so documents end with it in training and generations stop at it.
+EOS = "<|endoftext|>"
+
+
 def load_tokenizer(text: str, vocab_size: int, model_dir: str, workdir: str, chat: bool,
                    tokenizer_file: str | None = None):
   """`tokenizer_file` (a `tokenizer.json`), else the model directory's own, else a
   byte-level BPE trained on `text` with the model's vocabulary size (saved to
-  `<workdir>/tokenizer.json`; with the chat tokens and template when `chat`):
+  `<workdir>/tokenizer.json`, with a `tokenizer_config.json` naming its EOS, `EOS`; with
+  the chat tokens and template, and `<|im_end|>` as EOS, when `chat`):
   `(tokenizer, its path)`."""
   from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -48,12 +54,13 @@ def load_tokenizer(text: str, vocab_size: int, model_dir: str, workdir: str, cha
   tokenizer.decoder = decoders.ByteLevel()
   tokenizer.train_from_iterator(text.splitlines(), trainers.BpeTrainer(
       vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-      special_tokens=CHAT_TOKENS if chat else [], show_progress=False))
+      special_tokens=[EOS, *(CHAT_TOKENS if chat else [])], show_progress=False))
   path = os.path.join(workdir, "tokenizer.json")
   tokenizer.save(path)
-  if chat:  # Where trainer.data reads the template and the special tokens.
-    with open(os.path.join(workdir, "tokenizer_config.json"), "w") as f:
-      json.dump({"eos_token": "<|im_end|>", "chat_template": CHATML}, f, indent=1)
+  settings = {"eos_token": "<|im_end|>", "chat_template": CHATML} if chat else {
+      "eos_token": EOS}
+  with open(os.path.join(workdir, "tokenizer_config.json"), "w") as f:  # trainer.data reads it.
+    json.dump(settings, f, indent=1)
   return tokenizer, path
 
 

@@ -12,9 +12,9 @@ r"""Aligns a Hugging Face-format language model with preference pairs (DPO, IPO,
 - The tokenizer: the model directory's `tokenizer.json`, else one trained on the text.
 - The pairs: `--pairs` (JSONL or Parquet files of `{prompt, chosen, rejected}` records,
   text or chat), or else the example writes its own, offline, into `<workdir>/pairs`:
-  from the paragraphs of this repository's README and docs, a prompt (a paragraph's
-  opening words), the chosen response (the words that follow) and the rejected one
-  (the same words in reverse order); every tenth held out.
+  from the paragraphs of a fixed text of its own (`practice_text`, or `--text` files), a
+  prompt (a paragraph's opening words), the chosen response (the words that follow) and
+  the rejected one (the same words in reverse order); every tenth held out.
 - The loss and reference: `configs/preference.py:<variant>` (`dpo`, `ipo`, `simpo`,
   `orpo`, `lora`, `qlora`) and `config.preference` (`trainer.preference`).
 
@@ -44,13 +44,44 @@ config_lib.define_config_file(os.path.join(lm_setup.ROOT, "configs", "preference
 flags.DEFINE_string("workdir", None, "Directory for the base model, the pairs, checkpoints, "
                     "metrics and the export.")
 flags.DEFINE_list("pairs", None, "Preference files (JSONL or Parquet, globs): {prompt, "
-                  "chosen, rejected} records; default: pairs written from the README and docs.")
+                  "chosen, rejected} records; default: pairs written from --text.")
 flags.DEFINE_list("text", None, "Text files (globs) the default pairs are made of; default: "
-                  "the README and docs/**/*.md of this repository.")
+                  "the example's own text (practice_text).")
 flags.DEFINE_integer("num_cpu_devices", 8, "Host devices to make on a CPU-only machine.")
 lm_setup.define_harness_flags(["The tests make"])
 flags.mark_flags_as_required(["workdir"])
 flags.register_validator("workdir", workdir_lib.flag_validator)
+
+
+#: The example's own text: sentences of these parts in their usual order, so that the
+#: chosen (the words in order) and the rejected (reversed) responses differ in a way a
+#: small model learns. Fixed, so a run prints the same figures whatever else changes.
+SUBJECTS = ("the miller", "a young fox", "the old baker", "my sister", "the river guard",
+            "a tired sailor", "the village cat", "our teacher", "the tall farmer",
+            "a quiet child", "the night watchman", "an old fisherman")
+VERBS = ("carried", "painted", "found", "watched", "mended", "counted", "sold", "hid",
+         "cleaned", "opened", "lifted", "followed")
+OBJECTS = ("a wooden box", "the blue lantern", "three ripe pears", "the broken fence",
+           "a heavy sack of flour", "the small red boat", "an empty basket",
+           "the green kite", "two silver keys", "the long ladder", "a bundle of letters",
+           "the iron gate")
+PLACES = ("near the mill", "by the harbour", "under the stone bridge", "in the orchard",
+          "at the market", "behind the church", "along the river", "on the hill")
+TIMES = ("before dawn", "after the rain", "every spring", "late at night",
+         "on market day", "in the cold morning", "before the storm came")
+
+
+def practice_text(paragraphs: int = 200, seed: int = 0) -> str:
+  """`paragraphs` paragraphs of two sentences each (`SUBJECTS` ... `TIMES`), drawn by a
+  seeded `random.Random`: the same text on every machine and Python 3 version."""
+  import random
+  rng = random.Random(seed)
+
+  def sentence() -> str:
+    words = " ".join(rng.choice(part) for part in (SUBJECTS, VERBS, OBJECTS, PLACES, TIMES))
+    return words[0].upper() + words[1:] + "."
+
+  return "\n\n".join(f"{sentence()} {sentence()}" for _ in range(paragraphs))
 
 
 def write_pairs(text: str, directory: str) -> tuple[str, str]:
@@ -96,7 +127,9 @@ def align(config, workdir: str) -> None:
   from trainer.preference import data as pdata
 
   os.makedirs(workdir, exist_ok=True)
-  text = "" if (FLAGS.pairs or config.data.sources) else lm_setup.read_text(FLAGS.text)
+  text = ""
+  if not (FLAGS.pairs or config.data.sources):
+    text = lm_setup.read_text(FLAGS.text) if FLAGS.text else practice_text()
   model_dir = lm_setup.start_model(config, workdir, "preference")
   _, tokenizer_path = lm_setup.load_tokenizer(text or "\n", config.model.vocab_size, model_dir,
                                               workdir, chat=False)

@@ -14,12 +14,12 @@ r"""Reinforcement learning with verifiable rewards (GRPO, Dr. GRPO, DAPO) on a l
   each member's held-out reward and the best learning rate (`<workdir>/sweep_best`).
 - `finetuned`: an HF model (`--config.init_from.path`, e.g. the fine-tune example's
   export; without one, a random GPT-2 written to `<workdir>/base`) with LoRA adapters,
-  on prompts of this repository's docs (a paragraph's opening words), rewarded for
-  mentioning training (`rl_tasks.mentions_training`).
+  on prompts of this repository's docs (a paragraph's opening words; every tenth held
+  out), rewarded for mentioning training (`rl_tasks.mentions_training`).
 
 Each step draws `config.rl.num_generations` completions per prompt with the project's
 `Generator` inside the train step, from the current parameters (`trainer.rl`). The
-example prints the held-out prompts' mean reward (one greedy completion each) before and
+example prints the held-out prompts' mean reward (one sampled completion each) before and
 after training, and exports the policy as an HF model (`<workdir>/hf`) when the model is
 of an HF family. With `--harness_tasks` it runs lm-evaluation-harness tasks during
 training (`trainer.harness.HarnessEval`).
@@ -51,16 +51,23 @@ flags.mark_flags_as_required(["workdir"])
 flags.register_validator("workdir", workdir_lib.flag_validator)
 
 
-def docs_prompts(directory: str) -> str:
-  """A prompt per docs paragraph of 12 words or more: its first 8 words (JSONL)."""
+def docs_prompts(directory: str, tokenizer_path: str, max_tokens: int) -> tuple[str, str]:
+  """A prompt per docs paragraph of 12 words or more: its first 8 words, where they fit
+  in `max_tokens` of the run's tokenizer (`config.rl.max_prompt_length`); every tenth
+  held out. Returns the train and held-out JSONL files."""
+  from trainer.data.corpus import Tokenizer
+  tokenizer = Tokenizer(tokenizer_path)
   os.makedirs(directory, exist_ok=True)
-  path = os.path.join(directory, "prompts.jsonl")
-  with open(path, "w") as f:
+  paths = [os.path.join(directory, f"{name}.jsonl") for name in ("prompts", "held_out")]
+  kept = 0
+  with open(paths[0], "w") as train, open(paths[1], "w") as held_out:
     for doc in lm_setup.documents(lm_setup.read_text(None)):
       words = doc.split()
-      if len(words) >= 12 and len(" ".join(words[:8])) <= 60:
-        f.write(json.dumps({"prompt": " ".join(words[:8])}) + "\n")
-  return path
+      prompt = " ".join(words[:8])
+      if len(words) >= 12 and len(tokenizer.encode_text(prompt)) <= max_tokens:
+        (held_out if kept % 10 == 9 else train).write(json.dumps({"prompt": prompt}) + "\n")
+        kept += 1
+  return paths[0], paths[1]
 
 
 def main(argv):
@@ -89,8 +96,9 @@ def prepare(config, workdir: str) -> str:
   with config.unlocked():
     config.data.tokenizer = tokenizer_path
     if not config.data.sources:
-      prompts = docs_prompts(os.path.join(workdir, "task"))
-      config.data.sources, config.data.eval_sources = (prompts,), (prompts,)
+      prompts, held_out = docs_prompts(os.path.join(workdir, "task"), tokenizer_path,
+                                       config.rl.max_prompt_length)
+      config.data.sources, config.data.eval_sources = (prompts,), (held_out,)
   return tokenizer_path
 
 
@@ -113,8 +121,11 @@ def train(config, workdir: str) -> None:
     fresh = checkpointer.latest_step() is None
     state = trainer.init_state(next(stream()))
     before = trainer.evaluate(state, held_out)["reward"]
-    actions = lm_setup.harness_actions(trainer, writer, tokenizer_path, config.log_every_steps,
-                                       max_new_tokens=config.rl.max_completion_length)
+    from trainer.data.corpus_metrics import CorpusMetrics  # Skipped prompts, counted.
+    actions = [CorpusMetrics(writer, every_steps=config.log_every_steps)]
+    actions += lm_setup.harness_actions(trainer, writer, tokenizer_path,
+                                        config.log_every_steps,
+                                        max_new_tokens=config.rl.max_completion_length)
     # A sweep's report compares its members' held-out reward at each evaluation
     # (config.sweep.metric) and exports the best to <workdir>/sweep_best.
     result = trainer.fit(stream, num_steps=config.num_train_steps, checkpointer=checkpointer,

@@ -17,7 +17,7 @@ The step counts as one (`state.step` advances by 1; the optimizer's own count by
 Because the old log-probs and the first update's are one function of one state, the
 run is on-policy by construction; `on_policy_gap` (the largest difference between the
 two, per step) measures it. Eval is a rollout too: held-out prompts' mean reward, one
-greedy completion each.
+completion each, sampled as the rollouts are (as TRL evaluates).
 """
 
 from __future__ import annotations
@@ -32,9 +32,10 @@ import ml_collections
 import numpy as np
 from clu import metrics as clu_metrics
 
+from trainer import metrics as metrics_lib
 from trainer.evaluation import MASK_KEY
 from trainer.language_model import LanguageModelTrainer
-from trainer.metrics import NanAverage, field_name
+from trainer.metrics import NanAverage
 from trainer.preference import reference as reference_lib
 from trainer.preference.losses import token_logps
 from trainer.rl import data as rl_data
@@ -149,18 +150,6 @@ def _nanstd(x: jax.Array, axis=None) -> jax.Array:
   return jnp.where(n > 1, jnp.sqrt(var), jnp.nan)
 
 
-def _collection(metrics: dict, **more) -> type[clu_metrics.Collection]:
-  """A collection of `{reported name: metric class}`, each reading its own output (the
-  fields named as `trainer.metrics.field_name` makes them)."""
-  fields = {**metrics, **more}
-  return clu_metrics.Collection.create(**{field_name(n): cls.from_output(field_name(n))
-                                          for n, cls in fields.items()})
-
-
-def _values(values: dict[str, jax.Array]) -> dict[str, jax.Array]:
-  return {field_name(k): v for k, v in values.items()}
-
-
 def _masked_mean(x: jax.Array, mask: jax.Array) -> jax.Array:
   return (x * mask).sum() / jnp.maximum(mask.sum(), 1.0)
 
@@ -193,9 +182,9 @@ class RLTrainer(LanguageModelTrainer):
                              top_p=config.rl.top_p, stop_tokens=() if stop is None else (stop,),
                              pad_id=0 if stop is None else stop)
     self.metric_names = metric_names(self.rewards, kl=self.rl.beta > 0)
-    self._metrics = _collection(
-        {n: NanAverage for n in self.metric_names if n != "on_policy_gap"},
-        on_policy_gap=clu_metrics.LastValue)
+    self._metrics = metrics_lib.collection_of(
+        {**{n: NanAverage for n in self.metric_names if n != "on_policy_gap"},
+         "on_policy_gap": clu_metrics.LastValue})
     #: The latest train rollout's first rows (`CompletionSamples` writes them).
     self.samples = samples_lib.Samples(config.rl.log_completions)
     self._check_rewards()
@@ -308,7 +297,7 @@ class RLTrainer(LanguageModelTrainer):
     if REF in batch:
       delta = batch[REF] - logps
       values["kl"] = _masked_mean(jnp.exp(delta) - delta - 1.0, mask)
-    return self._metrics.single_from_model_output(**_values(values))
+    return self._metrics.single_from_model_output(**metrics_lib.outputs(values))
 
   def tokens_per_example(self, batch: Batch) -> int:
     """A prompt's tokens and its G completions' budget."""
@@ -463,18 +452,17 @@ class RLTrainer(LanguageModelTrainer):
     return state.replace(step=step + 1), outputs
 
   def eval_step(self, state, batch: Batch):
-    """Held-out prompts' rewards: one greedy completion each (`reward`, and each function's
+    """Held-out prompts' rewards: one completion each, sampled as the rollouts are (as TRL
+    evaluates), its key the step's and the row's (`reward`, and each function's
     `rewards/<name>/mean`, over the completions it applies to)."""
-    greedy = dataclasses.replace(self.sampling, temperature=0.0)
-    out = self.rollout(state, batch, group=1, sampling=greedy)
+    out = self.rollout(state, batch, group=1, sampling=self.sampling)
     values = {"reward": out[REWARD], **{f"rewards/{r.name}/mean": out[EACH][:, i]
                                         for i, r in enumerate(self.rewards)}}
-    collection = _collection(dict.fromkeys(values, NanAverage))
+    collection = metrics_lib.collection_of(dict.fromkeys(values, NanAverage))
     return self.strategy.merge_metrics_over_data(
-        collection.single_from_model_output(**_values(values), mask=batch[MASK_KEY]))
+        collection.single_from_model_output(**metrics_lib.outputs(values), mask=batch[MASK_KEY]))
 
   def predict_step(self, state, batch: Batch):
-    """Each held-out prompt's reward of its greedy completion."""
-    greedy = dataclasses.replace(self.sampling, temperature=0.0)
-    return self.strategy.whole_batch(self.rollout(state, batch, group=1, sampling=greedy)[
-        REWARD])
+    """Each held-out prompt's reward of its completion (sampled as in `eval_step`)."""
+    return self.strategy.whole_batch(self.rollout(state, batch, group=1,
+                                                  sampling=self.sampling)[REWARD])
