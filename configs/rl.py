@@ -68,7 +68,7 @@ def get_config(variant: str = "addition") -> ml_collections.ConfigDict:
     config.rl.update(max_prompt_length=32, max_completion_length=16, num_generations=4,
                      rewards=(f"{TASKS}:mentions_training",))
     config.batch_size = 8  # Prompts: a multiple of the 8 data replicas on 8 host devices.
-    config.learning_rate = 1e-3
+    config.learning_rate = 3e-3  # LoRA's rate (the fine-tune's own `lora` variant's).
   else:
     config = base.get_config()
     config.model = ml_collections.ConfigDict(dict(

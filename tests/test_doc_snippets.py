@@ -53,7 +53,7 @@ def test_a_direct_caller_picks_blockwise_attention_with_using():
 def test_the_generation_guides_hugging_face_state_generates_as_transformers(tmp_path):
   torch = pytest.importorskip("torch")
   transformers = pytest.importorskip("transformers")
-  from hf_fixtures import save_random
+  from hf_fixtures import ATOL, save_random
   from tokenizers import Tokenizer, models, pre_tokenizers
 
   torch.manual_seed(0)
@@ -82,3 +82,11 @@ def test_the_generation_guides_hugging_face_state_generates_as_transformers(tmp_
   expected = done[0, len(prompt):].tolist()
   assert namespace["out"].tokens[0] == expected
   assert printed.getvalue().strip() == tokenizer.decode(expected, skip_special_tokens=True)
+  # The next block: the logits of a prompt, equal to transformers' for the checkpoint.
+  exec(python_block("guides/generation.md", "### The model's logits for a prompt"),  # noqa: S102
+       namespace)
+  assert namespace["ids"] == prompt
+  with torch.no_grad():
+    theirs = model(ids).logits[0].numpy()
+  np.testing.assert_allclose(namespace["logits"], theirs, atol=ATOL, rtol=0)
+  assert namespace["next_token"] == expected[0]

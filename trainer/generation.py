@@ -187,6 +187,12 @@ class Generator:
     """Raises ValueError before compute: bad sampling fields, an empty or too long prompt,
     more new tokens than the model's positions leave, or a layout it cannot serve."""
     sampling.check()
+    self.check_prompts(prompts, sampling.max_new_tokens)
+
+  def check_prompts(self, prompts: Sequence[Sequence[int]], new_tokens: int = 0) -> None:
+    """Raises ValueError before compute: a layout it cannot serve, no prompt, an empty or
+    too long one, a token outside the vocabulary, or more `new_tokens` than the model's
+    positions leave."""
     self.check_layout()
     if not len(prompts):
       raise ValueError("generation: no prompts (expected one or more lists of token ids).")
@@ -199,10 +205,10 @@ class Generator:
             f"generation: prompt {i} holds {len(prompt)} tokens, more than the model's "
             f"max_len={self.max_len} positions (config.model.max_len).")
     longest = max(len(p) for p in prompts)
-    if longest + sampling.max_new_tokens > self.max_len:
+    if longest + new_tokens > self.max_len:
       raise ValueError(
-          f"sampling.max_new_tokens={sampling.max_new_tokens}: with the longest prompt's "
-          f"{longest} tokens the cache would hold {longest + sampling.max_new_tokens} "
+          f"sampling.max_new_tokens={new_tokens}: with the longest prompt's "
+          f"{longest} tokens the cache would hold {longest + new_tokens} "
           f"positions, more than the model's max_len={self.max_len} "
           f"(config.model.max_len); at most {self.max_len - longest} new tokens fit.")
     if self.vocab_size is not None:
@@ -237,6 +243,31 @@ class Generator:
     new, count, stopped = to_host(self._programs[key](state, placed))
     return Generation([list(map(int, new[i, :count[i]])) for i in range(rows)],
                       [bool(s) for s in stopped[:rows]])
+
+  def logits(self, state: PyTree, prompts: Sequence[Sequence[int]]) -> list[np.ndarray]:
+    """Each prompt's logits at each of its positions (`[len(prompt), vocab]`, the real
+    vocabulary: the next token's scores after each prefix), from `state` in its layout, in
+    float32: the model's own forward pass, no cache."""
+    self.check_prompts(prompts)
+    rows, length = len(prompts), max(len(p) for p in prompts)
+    padded_rows = math.ceil(rows / self.strategy.batch_multiple) * self.strategy.batch_multiple
+    tokens = np.zeros((padded_rows, length), np.int32)  # Right-padded: causal, so unread.
+    for i, prompt in enumerate(prompts):
+      tokens[i, :len(prompt)] = prompt
+    key = ("logits", padded_rows, length)
+    if key not in self._programs:
+      mv, vocab = self.model_variables, self.vocab_size
+
+      def forward(state, batch):
+        outputs, _ = mv.apply(state.params, state.model_state, ((batch["tokens"],), {}),
+                              rngs={"dropout": jax.random.PRNGKey(0)}, train=False)
+        out = logits_of(outputs).astype(jnp.float32)
+        return self.strategy.whole_batch(out[..., :vocab] if vocab is not None else out)
+
+      self._programs[key] = self.strategy.compile_eval_step(forward, state)
+    placed = self.strategy.put_batch(self.strategy.local_rows({"tokens": tokens}))
+    out = np.asarray(self.strategy.outputs_to_host(self._programs[key](state, placed)))
+    return [out[i, :len(p)] for i, p in enumerate(prompts)]
 
   def program(self, sampling: Sampling):
     """`program(state, batch) -> (new tokens [rows, max_new_tokens], counts, stopped)` for
