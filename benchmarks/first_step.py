@@ -4,7 +4,7 @@ r"""Time to the first step: how long a run takes from `python ...` to its first 
 
 Each program runs in a fresh interpreter with an empty JAX compilation cache (so the first
 compile is counted, as a user's first run pays it), one train step, metrics logged every
-step; the figure is the wall time until the console line of step 1 (`[1] train/...`),
+step; the figure is the wall time until the console line of step 1 (`step 1/N: ...`),
 which holds the imports, the model build, the state's init (and a checkpoint's restore),
 and the first compile:
 
@@ -33,7 +33,8 @@ import tempfile
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-FIRST_STEP = re.compile(r"\[1\] (train|eval)/")
+#: Step 1's console line: the loop's `step 1/N: ...` (a baseline's `[1] train/...`).
+FIRST_STEP = re.compile(r"\[1\] (train|eval)/|step 1/")
 
 
 def commands(root: pathlib.Path, workdir: str, mnist_dir: str) -> dict[str, list[str]]:

@@ -6,6 +6,8 @@ metrics merge on the host in numpy (no jax op). Mistakes a user makes in the
 first hour fail before training, naming what is wrong.
 """
 
+import re
+
 import flax
 import jax
 import jax.numpy as jnp
@@ -237,3 +239,20 @@ def test_startup_is_this_programs_own_time_not_the_shells_before_it():
   run = subprocess.run(["bash", "-c", f"sleep 3 && exec {sys.executable} -c '{script}'"],
                        capture_output=True, text=True, timeout=120, check=True)
   assert 0.0 <= float(run.stdout) < 3.0, run.stdout
+
+
+def test_the_consoles_step_line_is_the_loss_the_rate_and_the_eta(caplog):
+  """Every train scalar goes to the writers; the console's line at a log step is short,
+  and the time breakdown is the run's last line, not every step's."""
+  import logging
+
+  from trainer.writers import LoggingWriter
+  trainer = MLPTrainer(mlp_config(log_every_steps=2, num_train_steps=4))
+  with caplog.at_level(logging.INFO):
+    trainer.fit(vector_batches(4, 16, 8), num_steps=4, writer=LoggingWriter())
+  lines = [r.getMessage() for r in caplog.records]
+  steps = [line for line in lines if line.startswith("step ")]
+  assert len(steps) == 2 and all(len(line) < 80 for line in steps), steps
+  assert re.fullmatch(r"step 4/4: loss \S+, \S+ steps/s, ETA 0m00s", steps[-1]), steps
+  assert not any("train/time_" in line for line in lines)
+  assert any(line.startswith("Time: train ") for line in lines)

@@ -70,12 +70,16 @@ class ScalarWriter:
 
 class LoggingWriter(ScalarWriter):
   """The console: one INFO line per write, `[step] name=value, ...`, as clu's LoggingWriter
-  writes it."""
+  writes it; the `train/` scalars of a log step are left out (the loop's own line says
+  the loss, the rate and the ETA; the files hold every train scalar, and the run's end
+  logs its time breakdown), and shown with `--verbosity=1`."""
 
   def write_scalars(self, step: int, scalars: Mapping[str, Any]):
-    values = [f"{k}={v:.6g}" if isinstance(v, float) else f"{k}={v}"
-              for k, v in sorted(scalars.items())]
-    logging.info("[%d] %s", step, ", ".join(values))
+    shown = {k: v for k, v in scalars.items() if not k.startswith("train/")}
+    if shown:
+      logging.info("[%d] %s", step, _line(shown))
+    if len(shown) < len(scalars):
+      logging.debug("[%d] %s", step, _line(scalars))
 
   def write_texts(self, step: int, texts: Mapping[str, str]):
     for name, text in sorted(texts.items()):
@@ -85,6 +89,11 @@ class LoggingWriter(ScalarWriter):
     # Thousands of characters: a run's config goes to its files (config.json, TensorBoard's
     # hparams), and to the console only with --verbosity=1.
     logging.debug("[Hyperparameters] %s", hparams)
+
+
+def _line(scalars: Mapping[str, Any]) -> str:
+  return ", ".join(f"{k}={v:.6g}" if isinstance(v, float) else f"{k}={v}"
+                   for k, v in sorted(scalars.items()))
 
 
 class TensorBoardWriter(ScalarWriter):

@@ -138,10 +138,7 @@ class ReportMetrics(Action):
     fractions = self.clock.fractions()
     time_split = {f"train/time_{k}": v for k, v in fractions.items()}
     time_split["train/goodput"] = fractions["train"]
-    logging.info("step %d/%d: %.2f steps/s, %.0f examples/s%s, ETA %dm%02ds", view.step,
-                 view.num_steps, steps_per_sec, examples_per_sec,
-                 "".join(f", {k.removeprefix('train/')} {v:.3g}" for k, v in throughput.items()),
-                 eta // 60, eta % 60)
+    losses = []
     for step in steps:
       ready = [m for s, m in self._host if s <= step]
       self._host = [(s, m) for s, m in self._host if s > step]
@@ -157,6 +154,12 @@ class ReportMetrics(Action):
       if self.counts_skipped:
         scalars["train/skipped_steps"] = sum(1 for s in view.skipped_at if s <= step)
       self.writer.write_scalars(step, scalars)
+      losses.append(scalars.get("train/loss"))
+    # The console's line: the loss, the rate and the ETA; every scalar goes to the writers
+    # (the console writer leaves out the `train/` ones this line stands for).
+    loss = f"loss {losses[-1]:.4g}, " if losses and losses[-1] is not None else ""
+    logging.info("step %d/%d: %s%.2f steps/s, ETA %dm%02ds", view.step, view.num_steps, loss,
+                 steps_per_sec, eta // 60, eta % 60)
     self._tick, self._eval_seconds = time.perf_counter(), view.eval_seconds
     self._last_step = view.step
 
