@@ -322,3 +322,23 @@ def test_the_dry_run_counts_the_cache_per_device(family):
     plan = make_plan(trainer, batch, generate=(rows, slots))
     assert plan.generation == (rows, slots, *want)
     assert "generation cache" in plan.report()
+
+
+def test_a_runs_workdir_generates_after_its_training_files_are_gone(tmp_path):
+  """A corpus run's config names its train and held-out files (and its tokenizer); the
+  command reads neither data file, and a tokenizer that is gone is named with --tokenizer
+  as the way on."""
+  import json
+
+  from trainer import generate as command
+  config = tiny_lm_config("data_parallel")
+  config.data.update(sources=(str(tmp_path / "gone" / "train-*.jsonl"),),
+                     eval_sources=(str(tmp_path / "gone" / "valid.jsonl"),),
+                     tokenizer=str(tmp_path / "gone"))
+  (tmp_path / "config.json").write_text(json.dumps(config.to_dict()))
+  restored = command.run_config(str(tmp_path), None, None)
+  assert not restored.data.sources and not restored.data.eval_sources
+  from trainer.data import lm
+  assert lm.check_config(restored) == []  # No data file is looked for.
+  with pytest.raises(ValueError, match=r"gone.*Pass --tokenizer="):
+    command.generate(restored, ["hello"])

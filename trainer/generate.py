@@ -100,6 +100,9 @@ def run_config(workdir: str | None, init_from: str | None, config_path: str | No
     merged["model"] = values["model"]
   config = ml_collections.ConfigDict(merged)
   config.init_from.update(path=workdir, rules=(), fresh=())
+  # The run's train and held-out files are not read here: they may be gone.
+  config.data.update(sources=(), weights=(), text_fields=(), eval_sources=(),
+                     eval_text_fields=())
   return config
 
 
@@ -160,7 +163,11 @@ def generate(config, prompts: list[str], *, step: int = -1, member: int = -1,
                           f"{prompts!r}.") from None
   else:
     path = tokenizer or config.data.tokenizer or config.init_from.path
-    tok = Tokenizer(path, add_eos=False)
+    try:
+      tok = Tokenizer(path, add_eos=False)
+    except ValueError as e:
+      raise GenerateError(f"{e} Pass --tokenizer=<a tokenizer.json or a model directory> "
+                          f"(an export of the run holds its tokenizer).") from None
     ids = [tok(p).tolist() for p in prompts]
     decode = tok.tokenizer.decode
     stops = () if tok.eos_id is None else (tok.eos_id,)
