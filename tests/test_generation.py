@@ -342,3 +342,43 @@ def test_a_runs_workdir_generates_after_its_training_files_are_gone(tmp_path):
   assert lm.check_config(restored) == []  # No data file is looked for.
   with pytest.raises(ValueError, match=r"gone.*Pass --tokenizer="):
     command.generate(restored, ["hello"])
+
+
+def test_cached_logits_equal_a_full_recompute_at_a_users_lengths():
+  """The same at prompts of 1,024 and 515 tokens (a Llama with rotary positions past 1,024):
+  toy lengths hide an index or a cache slot that only long rows reach."""
+  lengths, steps, vocab = np.array([1024, 515], np.int32), 3, 64
+  module = functools.partial(LlamaLM, vocab_size=vocab, max_len=1040, num_layers=2,
+                             embed_dim=32, num_heads=4, num_kv_heads=2, mlp_dim=48)
+  mv = model_variables.create(module)
+  sequences = np.random.default_rng(1).integers(0, vocab, (2, 1024 + steps)).astype(np.int32)
+  rngs = {"params": jax.random.PRNGKey(0), "dropout": jax.random.PRNGKey(1)}
+  params, model_state = mv.init(rngs, ((sequences,), {}))
+
+  def recompute(params):
+    return _logits(mv.apply(params, model_state, ((sequences,), {}), rngs=rngs,
+                            train=False)[0])
+
+  @jax.jit
+  def decode(params, cache, tokens, positions):
+    outputs, cache = mv.decode(params, model_state, cache, ((tokens,), {"positions": positions}),
+                               rngs=rngs, length=1024 + steps)
+    return getattr(outputs, "logits", outputs), cache
+
+  from models import kv_cache
+  prompts = np.where(np.arange(1024)[None] < lengths[:, None], sequences[:, :1024], 0)
+  positions = np.broadcast_to(np.arange(1024, dtype=np.int32), (2, 1024))
+  logits, cache = decode(params, None, prompts, positions)
+  got = [np.asarray(logits)[np.arange(2), lengths - 1]]
+  cache = kv_cache.set_index(cache, jnp.asarray(lengths))
+  for t in range(steps):
+    where = lengths + t
+    logits, cache = decode(params, cache, sequences[np.arange(2), where][:, None],
+                           where[:, None])
+    got.append(np.asarray(logits)[:, 0])
+  at = lengths[:, None] - 1 + np.arange(steps + 1)[None]
+  reference = recompute(params)[np.arange(2)[:, None], at]
+  chaos = [recompute(perturbed(params, s))[np.arange(2)[:, None], at] for s in (1e-6, -1e-6)]
+  (limit,) = tolerances(reference, [[c] for c in chaos])
+  np.testing.assert_allclose(np.stack(got, axis=1), reference, rtol=0, atol=limit)
+  assert np.abs(reference[:, 1:] - reference[:, :1]).max() > 100 * limit

@@ -110,6 +110,10 @@ def _long_runs(corpus):
       "finetune_512_w2": ("finetune_lm.py", [
           "--config.seq_len=512", "--config.model.max_len=512", "--config.eval_batch_size=4",
           "--config.data.workers=2", *SHORT]),
+      "instruct_512_w1": ("finetune_lm.py", [
+          "--config=configs/finetune_lm.py:instruct", "--config.seq_len=512",
+          "--config.model.max_len=512", "--config.eval_batch_size=4",
+          "--config.data.workers=1", *SHORT]),
       "preference_512_w1": ("preference_lm.py", [
           "--config.seq_len=512", "--config.model.max_len=512", "--config.data.workers=1",
           *SHORT]),
@@ -119,8 +123,8 @@ def _long_runs(corpus):
   }
 
 
-@pytest.mark.parametrize("run", ["lm_1024_w2", "finetune_512_w2", "preference_512_w1",
-                                 "rl_512_w2"])
+@pytest.mark.parametrize("run", ["lm_1024_w2", "finetune_512_w2", "instruct_512_w1",
+                                 "preference_512_w1", "rl_512_w2"])
 def test_examples_at_long_rows_end_by_themselves(tmp_path, docs_corpus, run):
   """Each example trains at a realistic length with 1 or 2 workers (and held-out data:
   read in the training process whatever the workers) and exits 0 by itself."""
