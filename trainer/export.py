@@ -101,7 +101,8 @@ TOKENIZER_FILES = ("tokenizer_config.json", "chat_template.jinja", "special_toke
 def _run_tokenizer(config: dict[str, Any]) -> str | None:
   """The run's tokenizer (`config.data.tokenizer`, else `config.init_from.path`), where it
   still holds a `tokenizer.json`; None otherwise."""
-  for path in (config.get("data", {}).get("tokenizer"), config.get("init_from", {}).get("path")):
+  for section, field in (("data", "tokenizer"), ("init_from", "path")):
+    path = config[section][field] if field in config[section] else None
     if path and os.path.isfile(os.path.join(path, "tokenizer.json") if os.path.isdir(path)
                                else path):
       return path

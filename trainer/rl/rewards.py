@@ -22,7 +22,8 @@ no function applies to has no reward, and an advantage of 0). A config names eac
 function as `"package.module:function"` (or `"package.module.function"`), or as
 `"path/to/file.py:function"` (a file, relative to the working directory), with a
 weight. A function's name in the metrics is its own (`__name__`), qualified by its
-module or file where two share one (`a_score` and `b_score` for two `score`s).
+module or file where two share one (`a_score` and `b_score` for two functions named
+`score`).
 """
 
 from __future__ import annotations
