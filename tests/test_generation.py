@@ -59,42 +59,51 @@ def _logits(outputs):
   return np.asarray(getattr(outputs, "logits", outputs))
 
 
-@pytest.mark.parametrize("family", list(_families()))
-def test_cached_logits_equal_a_full_recompute_at_every_step(family):
-  """Right-padded prompts of lengths 7, 3, 5 prefilled, then 4 decode steps: each row's
-  logits at its own position equal the whole sequence recomputed, within the chaos runs'
-  drift (the same recompute from parameters moved by +-1e-6)."""
-  mv = model_variables.create(_families()[family])
+def cached_and_recomputed(module, sequences, lengths, prompt: int, steps: int):
+  """`(cached, recomputed, limit)`: each row's logits at its own positions from a cache
+  (right-padded prompts of `lengths` prefilled in `prompt` slots, then `steps` decode steps)
+  and from the whole sequence recomputed, and the chaos runs' drift (the same recompute from
+  parameters moved by +-1e-6), `[rows, steps + 1, vocab]` each."""
+  from models import kv_cache
+  mv = model_variables.create(module)
   rngs = {"params": jax.random.PRNGKey(0), "dropout": jax.random.PRNGKey(1)}
-  params, model_state = mv.init(rngs, ((SEQUENCES,), {}))
+  params, model_state = mv.init(rngs, ((sequences,), {}))
+  rows = np.arange(len(sequences))
 
   def recompute(params):
-    return _logits(mv.apply(params, model_state, ((SEQUENCES,), {}), rngs=rngs,
+    return _logits(mv.apply(params, model_state, ((sequences,), {}), rngs=rngs,
                             train=False)[0])
 
   @jax.jit
   def decode(params, cache, tokens, positions):
     outputs, cache = mv.decode(params, model_state, cache, ((tokens,), {"positions": positions}),
-                               rngs=rngs, length=PROMPT + STEPS)
+                               rngs=rngs, length=prompt + steps)
     return getattr(outputs, "logits", outputs), cache
 
-  from models import kv_cache
-  prompts = np.where(np.arange(PROMPT)[None] < LENGTHS[:, None], SEQUENCES[:, :PROMPT], 0)
-  positions = np.broadcast_to(np.arange(PROMPT, dtype=np.int32), (ROWS, PROMPT))
+  prompts = np.where(np.arange(prompt)[None] < lengths[:, None], sequences[:, :prompt], 0)
+  positions = np.broadcast_to(np.arange(prompt, dtype=np.int32), (len(rows), prompt))
   logits, cache = decode(params, None, prompts, positions)
-  got = [np.asarray(logits)[np.arange(ROWS), LENGTHS - 1]]
-  cache = kv_cache.set_index(cache, jnp.asarray(LENGTHS))
-  for t in range(STEPS):
-    where = LENGTHS + t
-    logits, cache = decode(params, cache, SEQUENCES[np.arange(ROWS), where][:, None],
-                           where[:, None])
+  got = [np.asarray(logits)[rows, lengths - 1]]
+  cache = kv_cache.set_index(cache, jnp.asarray(lengths))
+  for t in range(steps):
+    where = lengths + t
+    logits, cache = decode(params, cache, sequences[rows, where][:, None], where[:, None])
     got.append(np.asarray(logits)[:, 0])
-  rows = np.arange(ROWS)[:, None]
-  at = LENGTHS[:, None] - 1 + np.arange(STEPS + 1)[None]  # Each row's compared positions.
-  reference = recompute(params)[rows, at]
-  chaos = [recompute(perturbed(params, s))[rows, at] for s in (1e-6, -1e-6)]
+  at = lengths[:, None] - 1 + np.arange(steps + 1)[None]  # Each row's compared positions.
+  reference = recompute(params)[rows[:, None], at]
+  chaos = [recompute(perturbed(params, s))[rows[:, None], at] for s in (1e-6, -1e-6)]
   (limit,) = tolerances(reference, [[c] for c in chaos])
-  np.testing.assert_allclose(np.stack(got, axis=1), reference, rtol=0, atol=limit,
+  return np.stack(got, axis=1), reference, limit
+
+
+@pytest.mark.parametrize("family", list(_families()))
+def test_cached_logits_equal_a_full_recompute_at_every_step(family):
+  """Right-padded prompts of lengths 7, 3, 5 prefilled, then 4 decode steps: each row's
+  logits at its own position equal the whole sequence recomputed, within the chaos runs'
+  drift (the same recompute from parameters moved by +-1e-6)."""
+  got, reference, limit = cached_and_recomputed(_families()[family], SEQUENCES, LENGTHS,
+                                                PROMPT, STEPS)
+  np.testing.assert_allclose(got, reference, rtol=0, atol=limit,
                              err_msg=f"{family}: cached logits against the recompute")
   assert np.abs(reference[:, 1:] - reference[:, :1]).max() > 100 * limit  # Steps differ.
 
@@ -347,38 +356,10 @@ def test_a_runs_workdir_generates_after_its_training_files_are_gone(tmp_path):
 def test_cached_logits_equal_a_full_recompute_at_a_users_lengths():
   """The same at prompts of 1,024 and 515 tokens (a Llama with rotary positions past 1,024):
   toy lengths hide an index or a cache slot that only long rows reach."""
-  lengths, steps, vocab = np.array([1024, 515], np.int32), 3, 64
-  module = functools.partial(LlamaLM, vocab_size=vocab, max_len=1040, num_layers=2,
+  module = functools.partial(LlamaLM, vocab_size=64, max_len=1040, num_layers=2,
                              embed_dim=32, num_heads=4, num_kv_heads=2, mlp_dim=48)
-  mv = model_variables.create(module)
-  sequences = np.random.default_rng(1).integers(0, vocab, (2, 1024 + steps)).astype(np.int32)
-  rngs = {"params": jax.random.PRNGKey(0), "dropout": jax.random.PRNGKey(1)}
-  params, model_state = mv.init(rngs, ((sequences,), {}))
-
-  def recompute(params):
-    return _logits(mv.apply(params, model_state, ((sequences,), {}), rngs=rngs,
-                            train=False)[0])
-
-  @jax.jit
-  def decode(params, cache, tokens, positions):
-    outputs, cache = mv.decode(params, model_state, cache, ((tokens,), {"positions": positions}),
-                               rngs=rngs, length=1024 + steps)
-    return getattr(outputs, "logits", outputs), cache
-
-  from models import kv_cache
-  prompts = np.where(np.arange(1024)[None] < lengths[:, None], sequences[:, :1024], 0)
-  positions = np.broadcast_to(np.arange(1024, dtype=np.int32), (2, 1024))
-  logits, cache = decode(params, None, prompts, positions)
-  got = [np.asarray(logits)[np.arange(2), lengths - 1]]
-  cache = kv_cache.set_index(cache, jnp.asarray(lengths))
-  for t in range(steps):
-    where = lengths + t
-    logits, cache = decode(params, cache, sequences[np.arange(2), where][:, None],
-                           where[:, None])
-    got.append(np.asarray(logits)[:, 0])
-  at = lengths[:, None] - 1 + np.arange(steps + 1)[None]
-  reference = recompute(params)[np.arange(2)[:, None], at]
-  chaos = [recompute(perturbed(params, s))[np.arange(2)[:, None], at] for s in (1e-6, -1e-6)]
-  (limit,) = tolerances(reference, [[c] for c in chaos])
-  np.testing.assert_allclose(np.stack(got, axis=1), reference, rtol=0, atol=limit)
+  sequences = np.random.default_rng(1).integers(0, 64, (2, 1024 + 3)).astype(np.int32)
+  got, reference, limit = cached_and_recomputed(module, sequences,
+                                                np.array([1024, 515], np.int32), 1024, 3)
+  np.testing.assert_allclose(got, reference, rtol=0, atol=limit)
   assert np.abs(reference[:, 1:] - reference[:, :1]).max() > 100 * limit

@@ -278,6 +278,8 @@ def test_the_dry_run_shows_the_rollout_cache_and_the_update_per_device(task):
      r"config\.rl\.max_prompt_length=5 \+ max_completion_length=8 = 13 positions, more than "
      r"the model's config\.model\.max_len=8"),
     ({"rl.loss": "ppo"}, r"config\.rl\.loss='ppo' is not one of \('grpo', 'dr_grpo', 'dapo'\)"),
+    ({"rl.max_record_bytes": 0}, r"config\.rl\.max_record_bytes=0 must be an integer >= 2"),
+    ({"rl.log_completions": -1}, r"config\.rl\.log_completions=-1 must be an integer >= 0"),
     ({"rl.rewards": ("examples/rl_tasks.py:nothing_here",)},
      r"'examples/rl_tasks.py:nothing_here': the file examples/rl_tasks.py has no "
      r"'nothing_here'; name one of its functions \(addition_prompts, correct_sum"),

@@ -160,3 +160,16 @@ def test_sample_completions_reach_tensorboard_and_texts_jsonl(task, tmp_path):
   accumulator = EventAccumulator(str(events), size_guidance={"tensors": 0})
   accumulator.Reload()
   assert [e.step for e in accumulator.Tensors("completions")] == [1, 2]
+
+
+def test_a_record_longer_than_max_record_bytes_is_a_bad_record(task):
+  """The whole record rides with its row; one that does not fit is named, not cut."""
+  from trainer.data.corpus import Tokenizer
+  from trainer.rl.data import RECORD, PromptEncoder, records_of
+  encoder = PromptEncoder(Tokenizer(task["text"][1]), length=8, record_length=64)
+  record = {"prompt": "3+4=", "answer": "7"}
+  kind, rows = encoder(record)
+  assert kind is None and records_of(rows[0][RECORD][None]) == [record]
+  kind, rows = encoder({**record, "solution": "seven " * 20})
+  assert (kind, rows) == ("record_too_long", [])
+  assert "config.rl.max_record_bytes=64" in encoder.describe(kind)

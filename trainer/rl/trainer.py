@@ -102,6 +102,10 @@ class RL:
                     "an integer >= 1")
     completion = number("max_completion_length", lambda v: isinstance(v, int) and v >= 1,
                         "an integer >= 1")
+    number("max_record_bytes", lambda v: isinstance(v, int) and v >= 2,
+           "an integer >= 2 (each row carries its record as JSON, in up to this many bytes)")
+    number("log_completions", lambda v: isinstance(v, int) and v >= 0,
+           "an integer >= 0 (rows of the completions table; 0: none)")
     if prompt + completion > config.model.max_len:
       raise ValueError(f"config.rl.max_prompt_length={prompt} + max_completion_length="
                        f"{completion} = {prompt + completion} positions, more than the "
