@@ -173,3 +173,20 @@ def test_a_record_longer_than_max_record_bytes_is_a_bad_record(task):
   kind, rows = encoder({**record, "solution": "seven " * 20})
   assert (kind, rows) == ("record_too_long", [])
   assert "config.rl.max_record_bytes=64" in encoder.describe(kind)
+
+
+def test_an_eval_batch_padded_for_the_devices_scores_its_real_prompts_only(task):
+  """5 held-out prompts a batch on 8 data devices: the 3 padding rows carry no record and
+  reach no reward function; the mean is over the real prompts (a TRL reward that reads the
+  answer would fail on a padding row)."""
+  from trainer.rl import RLTrainer
+  from trainer.rl import data as rl_data
+  config = rl_config(task["text"], "fsdp", eval_batch_size=5,
+                     **{"rl.rewards": ("rl_rewards:correct",)})
+  trainer = RLTrainer(config)
+  held_out = rl_data.eval_batches(config)
+  assert held_out[0]["prompt_ids"].shape[0] == 5
+  state = trainer.init_state(next(rl_data.from_config(config)()))
+  reward = trainer.evaluate(state, held_out)["reward"]
+  assert 0.0 <= reward <= 1.0
+  assert len(trainer.predict(state, held_out[0])) == 5

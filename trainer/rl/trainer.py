@@ -378,19 +378,28 @@ class RLTrainer(LanguageModelTrainer):
     if records is None:
       field = self.config.rl.prompt_field
       records = [{field: text} for text in decode(prompts[::group], skip_special_tokens=True)]
-    else:
-      records = rl_data.records_of(records)
+      real = np.ones(len(prompts), bool)
+    else:  # An eval batch's padding rows hold no record: they are not scored (NaN).
+      real = np.repeat(np.asarray(records).any(axis=-1), group)
+      records = rl_data.records_of(np.asarray(records)[np.asarray(records).any(axis=-1)])
+    rows = np.flatnonzero(real)
+    totals = np.full((len(prompts),), np.nan, np.float32)
+    values = np.full((len(prompts), len(self.rewards)), np.nan, np.float32)
+    if not len(rows):
+      return totals, values
     kwargs = rewards_lib.arguments(
-        [r for r in records for _ in range(group)], decode(completions,
-                                                           skip_special_tokens=True),
-        prompt_field=self.config.rl.prompt_field, prompt_ids=prompts,
-        completion_ids=completions, step=int(step), max_steps=self.num_train_steps)
+        [r for r in records for _ in range(group)],
+        decode([completions[i] for i in rows], skip_special_tokens=True),
+        prompt_field=self.config.rl.prompt_field, prompt_ids=[prompts[i] for i in rows],
+        completion_ids=[completions[i] for i in rows], step=int(step),
+        max_steps=self.num_train_steps)
     total, each = rewards_lib.score(self.rewards, kwargs)
     if keep:
       self.samples.keep(step, kwargs["prompts"], kwargs["completions"], total, each)
-    return (np.asarray(total, np.float32),
-            np.asarray([each[r.name] for r in self.rewards], np.float32).T.reshape(
-                len(total), len(self.rewards)))
+    totals[rows] = total
+    values[rows] = np.asarray([each[r.name] for r in self.rewards], np.float32).T.reshape(
+        len(rows), len(self.rewards))
+    return totals, values
 
   def rollout(self, state, batch: Batch, *, group: int, sampling, keep: bool = False
               ) -> dict[str, jax.Array]:
