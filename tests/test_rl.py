@@ -123,7 +123,8 @@ def expected_reward(trainer, state, task) -> float:
   from tokenizers import Tokenizer
   tokenizer = Tokenizer.from_file(task[1])
   prompts = rl_tasks.addition_prompts()
-  ids = np.asarray([[0] + tokenizer.encode(p).ids for p in prompts], np.int32)
+  ids = np.asarray([[0] + tokenizer.encode(p, add_special_tokens=False).ids for p in prompts],
+                   np.int32)
   right = np.asarray([tokenizer.token_to_id(str(sum(map(int, p[:-1].split("+")))))
                       for p in prompts])
   canonical = trainer.strategy.to_canonical(state)
