@@ -19,7 +19,6 @@ import numpy as np
 from strategies import Strategy
 from trainer import metrics as metrics_lib
 from trainer.step.functions import CompiledSteps, batch_size_of
-from trainer.step.host_calls import HostCalls
 
 Batch = Mapping[str, Any]
 PyTree = Any
@@ -66,20 +65,16 @@ class Evaluator:
     strategy: places each process's rows of a chunk and brings results back.
     compiled: the Trainer's compiled steps.
     eval_batch_size: examples per chunk (any positive size).
-    host_calls: the host functions the steps call; the first error one raised is raised
-      once a pass's outputs are ready (`trainer.step.host_calls`).
 
   Raises:
     ValueError: `eval_batch_size` is not a positive integer.
   """
 
-  def __init__(self, strategy: Strategy, compiled: CompiledSteps, eval_batch_size: int, *,
-               host_calls: HostCalls | None = None):
+  def __init__(self, strategy: Strategy, compiled: CompiledSteps, eval_batch_size: int):
     if not isinstance(eval_batch_size, int) or eval_batch_size < 1:
       raise ValueError(f"config.eval_batch_size={eval_batch_size!r} must be a positive "
                        f"integer (any size: eval batches are padded to split evenly).")
     self.strategy, self.compiled, self.eval_batch_size = strategy, compiled, eval_batch_size
-    self.host_calls = host_calls
     unit = strategy.batch_multiple  # The data replicas (times a pipeline's microbatches).
     self._padded_size = -(-eval_batch_size // unit) * unit
     self._traced = False
@@ -189,9 +184,11 @@ class Evaluator:
     return outputs
 
   def _raise_host_error(self, outputs: list) -> None:
-    if self.host_calls is not None and outputs:
-      jax.block_until_ready(outputs[-1])  # Its host calls, and every earlier one, ran.
-      self.host_calls.raise_if_failed()
+    """Raises the first error of a host function the eval or predict step called
+    (`CompiledSteps.host_calls`), once the last call, and so every earlier one, is done."""
+    if outputs:
+      jax.block_until_ready(outputs[-1])
+      self.compiled.host_calls.raise_if_failed()
 
   def predict(self, state, batch: Batch) -> np.ndarray:
     """Host predictions for a batch of any size (ensemble means for ensembles)."""

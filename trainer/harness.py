@@ -301,24 +301,20 @@ def sample_tables(results: dict, rows: int = 4) -> dict[str, str]:
   """`harness/samples/<task>` -> a Markdown table of the task's first `rows` logged samples
   (`evaluate` logs them): the input, the model's response, the target and the sample's
   metrics."""
-  def cell(value) -> str:
-    return str(value).replace("|", "\\|").replace("\n", "<br>")
-
+  from trainer.writers import markdown_table
   out = {}
   for task, samples in (results.get("samples") or {}).items():
-    lines = []
+    if not samples:
+      continue
+    names = [k for k, v in samples[0].items() if isinstance(v, int | float)
+             and not isinstance(v, bool) and k not in ("doc_id", "target")]
+    table = []
     for sample in samples[:rows]:
       args = _arguments(sample)
-      metrics = {k: v for k, v in sample.items() if isinstance(v, int | float)
-                 and not isinstance(v, bool) and k not in ("doc_id", "target")}
-      if not lines:
-        lines = ["| input | response | target | " + " | ".join(metrics) + " |",
-                 "|" + "---|" * (3 + len(metrics))]
-      lines.append("| " + " | ".join(cell(v) for v in (
-          args[0][0] if args else "", _response(sample, args), sample.get("target", ""),
-          *metrics.values())) + " |")
-    if lines:
-      out[f"harness/samples/{task}"] = "\n".join(lines)
+      table.append([args[0][0] if args else "", _response(sample, args),
+                    sample.get("target", ""), *(sample.get(n, "") for n in names)])
+    out[f"harness/samples/{task}"] = markdown_table(["input", "response", "target", *names],
+                                                    table)
   return out
 
 

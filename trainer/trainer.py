@@ -45,7 +45,6 @@ from trainer.run.start import TrainData
 from trainer.run.state import States
 from trainer.step import model_variables
 from trainer.step.functions import CompiledSteps, StepFunctions
-from trainer.step.host_calls import HostCalls
 from trainer.step.lora import Lora
 from trainer.step.optim import (
   check_run_length,
@@ -306,10 +305,7 @@ class Trainer(abc.ABC):
                    or config.lora.rank else None)
     self.recipe = self.build_recipe()
     self.compiled = CompiledSteps(self, strategy, steps_loop=config.steps_loop)
-    #: The host functions the steps call (`jax.pure_callback`), and their first error.
-    self.host_calls = HostCalls()
-    self.evaluator = Evaluator(strategy, self.compiled, config.eval_batch_size,
-                               host_calls=self.host_calls)
+    self.evaluator = Evaluator(strategy, self.compiled, config.eval_batch_size)
     self.schedule = self.build_schedule()
     self.model = self.build_model()
     self.model_variables = model_variables.create(self.model,
@@ -326,8 +322,7 @@ class Trainer(abc.ABC):
                          compiled=self.compiled, evaluator=self.evaluator, states=self.states,
                          batch_size=config.batch_size,
                          skips_nonfinite=self.recipe.skips_nonfinite,
-                         tokens_per_example=self.tokens_per_example,
-                         host_calls=self.host_calls)
+                         tokens_per_example=self.tokens_per_example)
 
   def __getattr__(self, name: str) -> Any:
     if name in _MOVED:

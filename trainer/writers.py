@@ -91,6 +91,18 @@ class LoggingWriter(ScalarWriter):
     logging.debug("[Hyperparameters] %s", hparams)
 
 
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+  """A Markdown table for `write_texts` (TensorBoard's Text tab renders it): a float to 4
+  places (NaN as a dash), `|` escaped and line breaks as `<br>` in each cell."""
+  def cell(value: Any) -> str:
+    if isinstance(value, float):
+      value = "—" if value != value else f"{value:.4f}"
+    return str(value).replace("|", "\\|").replace("\n", "<br>")
+
+  lines = ["| " + " | ".join(map(cell, header)) + " |", "|" + "---|" * len(header)]
+  return "\n".join(lines + ["| " + " | ".join(map(cell, row)) + " |" for row in rows])
+
+
 def _line(scalars: Mapping[str, Any]) -> str:
   return ", ".join(f"{k}={v:.6g}" if isinstance(v, float) else f"{k}={v}"
                    for k, v in sorted(scalars.items()))

@@ -10,22 +10,19 @@ function's.
 from __future__ import annotations
 
 import json
-import math
 import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from trainer.loop.actions import Action
+from trainer.writers import markdown_table
 
 
-def _cell(value: Any) -> str:
-  """A Markdown table cell: a conversation as its last turn's text, a float to 4 places,
-  `|` escaped and line breaks as `<br>`."""
+def _text(value: Any) -> Any:
+  """A conversation as its last turn's text (a prompt's user turn, a completion)."""
   if isinstance(value, list) and value and isinstance(value[-1], Mapping):
-    value = value[-1].get("content", json.dumps(value))
-  if isinstance(value, float):
-    value = "—" if math.isnan(value) else f"{value:.4f}"
-  return str(value).replace("|", "\\|").replace("\n", "<br>")
+    return value[-1].get("content", json.dumps(value))
+  return value
 
 
 class Samples:
@@ -43,8 +40,8 @@ class Samples:
     if not self.rows:
       return
     names = list(each)
-    rows = [[prompts[i], completions[i], totals[i], *(each[n][i] for n in names)]
-            for i in range(min(self.rows, len(completions)))]
+    rows = [[_text(prompts[i]), _text(completions[i]), totals[i],
+             *(each[n][i] for n in names)] for i in range(min(self.rows, len(completions)))]
     with self._lock:
       self._latest = (int(step), rows, names)
 
@@ -55,11 +52,8 @@ class Samples:
     if latest is None:
       return None
     step, rows, names = latest
-    header = ["prompt", "completion", "reward", *names]
-    lines = [f"step {step}", "", "| " + " | ".join(header) + " |",
-             "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(_cell(v) for v in row) + " |" for row in rows]
-    return "\n".join(lines)
+    return f"step {step}\n\n" + markdown_table(["prompt", "completion", "reward", *names],
+                                               rows)
 
 
 class CompletionSamples(Action):

@@ -145,15 +145,6 @@ def metric_names(rewards, *, kl: bool) -> tuple[str, ...]:
   return TRAIN_METRICS + each + (("kl",) if kl else ())
 
 
-def _nanstd(x: jax.Array, axis=None) -> jax.Array:
-  """The std with Bessel's correction over the values that are not NaN (TRL's `nanstd`);
-  NaN where fewer than two are."""
-  n = jnp.sum(~jnp.isnan(x), axis=axis)
-  var = jnp.nansum((x - jnp.nanmean(x, axis=axis, keepdims=axis is not None)) ** 2,
-                   axis=axis) / jnp.maximum(n - 1, 1)
-  return jnp.where(n > 1, jnp.sqrt(var), jnp.nan)
-
-
 def _masked_mean(x: jax.Array, mask: jax.Array) -> jax.Array:
   return (x * mask).sum() / jnp.maximum(mask.sum(), 1.0)
 
@@ -282,10 +273,10 @@ class RLTrainer(LanguageModelTrainer):
     reward = batch[REWARD]
     lengths = mask.sum(-1)
     clipped = batch[CLIPPED]
-    group_std = _nanstd(reward.reshape(-1, rl.num_generations), axis=1)
+    group_std = jnp.nanstd(reward.reshape(-1, rl.num_generations), axis=1, ddof=1)
     terminated = jnp.sum(lengths * (1 - clipped)) / jnp.maximum(jnp.sum(1 - clipped), 1.0)
     values = {
-        "loss": loss, "reward": jnp.nanmean(reward), "reward_std": _nanstd(reward),
+        "loss": loss, "reward": jnp.nanmean(reward), "reward_std": jnp.nanstd(reward, ddof=1),
         "frac_reward_zero_std": jnp.mean(jnp.isclose(group_std, 0.0)),
         "completions/mean_length": lengths.mean(), "completions/min_length": lengths.min(),
         "completions/max_length": lengths.max(), "completions/clipped_ratio": clipped.mean(),
@@ -297,7 +288,7 @@ class RLTrainer(LanguageModelTrainer):
     for i, r in enumerate(self.rewards):
       column = batch[EACH][:, i]
       values[f"rewards/{r.name}/mean"] = jnp.nanmean(column)
-      values[f"rewards/{r.name}/std"] = _nanstd(column)
+      values[f"rewards/{r.name}/std"] = jnp.nanstd(column, ddof=1)
     if REF in batch:
       delta = batch[REF] - logps
       values["kl"] = _masked_mean(jnp.exp(delta) - delta - 1.0, mask)
@@ -418,7 +409,7 @@ class RLTrainer(LanguageModelTrainer):
         state, {"tokens": prompts, "lengths": lengths, "keys": keys})
     shapes = (jax.ShapeDtypeStruct((rows,), jnp.float32),
               jax.ShapeDtypeStruct((rows, len(self.rewards)), jnp.float32))
-    (total, each), ok = self.host_calls.call(
+    (total, each), ok = self.compiled.host_calls.call(
         functools.partial(self._host_rewards, group=group, keep=keep), shapes, prompts, lengths,
         batch.get(RECORD), new, counts, state.step)
     # Each row: its prompt's tokens, then its completion's, then padding.

@@ -45,7 +45,6 @@ from trainer.run.options import RunOptions
 from trainer.run.start import Start, TrainData, start
 from trainer.run.state import States
 from trainer.step.functions import CompiledSteps
-from trainer.step.host_calls import HostCalls
 
 if TYPE_CHECKING:  # Only annotations: clu's writers import TensorFlow (seconds).
   from clu import metric_writers
@@ -67,8 +66,6 @@ class Runner:
     batch_size: examples per step (`config.batch_size`), over all processes.
     skips_nonfinite: the recipe leaves non-finite updates out (else a run stops at one).
     tokens_per_example: the Trainer's hook, `batch -> tokens in one example, or None`.
-    host_calls: the host functions the steps call; the first error one raised ends the run
-      as soon as its call's flags are read (`trainer.step.host_calls`).
   """
 
   options: RunOptions
@@ -79,7 +76,6 @@ class Runner:
   batch_size: int
   skips_nonfinite: bool
   tokens_per_example: Callable[[Batch], int | None]
-  host_calls: HostCalls | None = None
 
   def fit(self, train_batches: TrainData, *, num_steps: int, actions: Sequence[Action],
           state: PyTree | None = None,
@@ -118,7 +114,8 @@ class Runner:
                                 which_models=models_named(self.strategy),
                                 saved_note=lambda: last_finite_checkpoint(checkpointer),
                                 steps_axis=steps_axis,
-                                host_error=self.host_calls and self.host_calls.raise_if_failed)
+                                # A host function's error (a reward's) ends the run there.
+                                host_error=self.compiled.host_calls.raise_if_failed)
     with waiting_for_saves(checkpointer), watching(self.options, clock, checkpointer):
       result = driver.run(advance, state=begin.state, start=begin.step, num_steps=num_steps,
                           actions=actions, finite=finite, canonical=self.strategy.to_canonical,

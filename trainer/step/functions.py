@@ -20,6 +20,7 @@ from strategies import Ensemble, Strategy
 from strategies.mesh import bind_size_one_batch_axis
 from trainer import metrics as metrics_lib
 from trainer.step.errors import explaining_errors
+from trainer.step.host_calls import HostCalls
 from trainer.step.recipe import Recipe
 from trainer.step.rng_streams import RngStreams
 from trainer.step.stages import Batch, GradFn, LossFn, StepAux, differentiated, zero_gradient
@@ -244,11 +245,15 @@ class CompiledSteps:
   Trainer subclass that overrides one is compiled with its override.
   `steps_loop` (`config.steps_loop`) is how a call of several steps runs them:
   one of `STEP_LOOPS`, or '' for the platform's default (`default_steps_loop`).
+  `host_calls` holds the host functions the programs call (`jax.pure_callback`) and their
+  first error, which the run and the evaluator raise once a call is done
+  (`trainer.step.host_calls`).
   """
 
   def __init__(self, hooks: Any, strategy: Strategy, *, steps_loop: str = ""):
     check_steps_loop(steps_loop)
     self._hooks, self._strategy = hooks, strategy
+    self.host_calls = HostCalls()
     self._steps_loop = steps_loop or default_steps_loop(jax.devices()[0].platform)
     self._train = self._eval = self._predict = None
     self._chunks: dict[Any, Callable] = {}
