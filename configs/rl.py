@@ -54,6 +54,13 @@ def rl_fields() -> ml_collections.ConfigDict:
       # "package.module:function" or "path/to/file.py:function" (trainer.rl.rewards).
       rewards=(),
       reward_weights=(),  # One per reward; empty: 1 each.
+      # Multi-turn rollouts (trainer.rl.tools): typed functions the model may call, named as
+      # rewards are, and a class built once per rollout (reset(**record), its public
+      # methods tools, an optional get_reward()). Either makes the rollout multi-turn.
+      tools=(),
+      environment="",
+      # Tool turns a rollout may take (None: no limit, TRL's default).
+      max_tool_calling_iterations=ml_collections.config_dict.placeholder(int),
   ))
 
 

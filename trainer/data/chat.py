@@ -94,8 +94,11 @@ class ChatTemplate:
     return cls(template, tokens, where)
 
   def render(self, messages: Sequence[Mapping[str, str]], *,
-             add_generation_prompt: bool = False) -> str:
-    return self._compiled.render(messages=list(messages),
+             add_generation_prompt: bool = False, tools: Sequence[Mapping] | None = None
+             ) -> str:
+    """The conversation as text; `tools`: the schemas of the tools the model may call
+    (`trainer.rl.tools`), as `apply_chat_template(..., tools=...)` passes them."""
+    return self._compiled.render(messages=list(messages), tools=list(tools) if tools else None,
                                  add_generation_prompt=add_generation_prompt,
                                  **self.special_tokens)
 

@@ -48,8 +48,9 @@ class PromptEncoder:
   """A prompt record as one row (`corpus.ShardIterator`'s `encode`)."""
 
   def __init__(self, tokenizer: Tokenizer, *, length: int, field: str = "prompt",
-               record_length: int = 4096):
+               record_length: int = 4096, tools: list[dict] | None = None):
     self.tokenizer, self.length, self.field = tokenizer, length, field
+    self.tools = tools
     self.record_length = record_length
     self.pad_id = tokenizer.eos_id if tokenizer.eos_id is not None else 0
 
@@ -65,12 +66,17 @@ class PromptEncoder:
                                f"whole record)"}[kind]
 
   def ids(self, prompt: Any) -> list[int] | None:
-    """A prompt's token ids (None: not a prompt)."""
+    """A prompt's token ids (None: not a prompt). With tools, a prompt is rendered by the
+    chat template with their schemas (a text prompt as one user turn), as the rollout
+    renders it (`trainer.rl.episodes`)."""
+    if self.tools and isinstance(prompt, str) and prompt:
+      prompt = [{"role": "user", "content": prompt}]
     if isinstance(prompt, str) and prompt:
       return self.tokenizer.encode_text(prompt)
     if isinstance(prompt, list) and prompt and all(
         isinstance(m, Mapping) and isinstance(m.get("content"), str) for m in prompt):
-      text = self.tokenizer.chat_template().render(prompt, add_generation_prompt=True)
+      text = self.tokenizer.chat_template().render(prompt, add_generation_prompt=True,
+                                                   tools=self.tools)
       return self.tokenizer.tokenizer.encode(text, add_special_tokens=False).ids
     return None
 
@@ -102,6 +108,9 @@ def from_config(config: ml_collections.ConfigDict, rows: slice = slice(None),
                      "Parquet files ({prompt: ...} records).")
   resolved = lm.check_config(run, schemas=False)
   tokenizer = lm.tokenizer_of(config)
+  from trainer.rl import tools as tools_lib
+  toolbox = tools_lib.load(tuple(config.rl.get("tools", ())),
+                           config.rl.get("environment") or None)
   return lm.Corpus(resolved, tokenizer, length=config.seq_len, batch_size=run.batch_size,
                    rows=rows, lanes=run.data.lanes, bad_records=data.bad_records,
                    shuffle_files=run.data.shuffle_files, seed=config.seed,
@@ -109,7 +118,8 @@ def from_config(config: ml_collections.ConfigDict, rows: slice = slice(None),
                    worker_buffer=data.worker_buffer,
                    encode=PromptEncoder(tokenizer, length=config.rl.max_prompt_length,
                                         field=config.rl.prompt_field,
-                                        record_length=config.rl.max_record_bytes))
+                                        record_length=config.rl.max_record_bytes,
+                                        tools=toolbox.schemas if toolbox else None))
 
 
 def eval_batches(config: ml_collections.ConfigDict) -> list[dict[str, np.ndarray]]:

@@ -74,19 +74,10 @@ def load(specs: Sequence[str], weights: Sequence[float] = (), *,
                      f"{len(specs)} reward functions; give one per function, or none.")
   loaded = []
   for spec, weight in zip(specs, weights, strict=True):
+    fn = named(spec, where=where, what="reward function")
     module_name, sep, attr = spec.rpartition(":")
     if not sep:
       module_name, _, attr = spec.rpartition(".")
-    try:
-      module = _module(module_name)
-    except (ImportError, ValueError, OSError, SyntaxError) as e:
-      raise ValueError(f"{where}: cannot import the reward function {spec!r} ({e}); name it "
-                       f"as 'package.module:function', importable from the run, or "
-                       f"'path/to/file.py:function'.") from e
-    fn = getattr(module, attr, None)
-    if fn is None:
-      raise ValueError(f"{where}: {spec!r}: {_where(module_name)} has no {attr!r}; name one "
-                       f"of its functions ({', '.join(_functions(module)) or 'it has none'}).")
     if not callable(fn):
       raise ValueError(f"{where}: {spec!r} is a {type(fn).__name__}, not a function.")
     if isinstance(weight, bool) or not isinstance(weight, int | float) or not math.isfinite(
@@ -96,6 +87,31 @@ def load(specs: Sequence[str], weights: Sequence[float] = (), *,
   names = _unique_names([named for *_, named in loaded])
   return [Reward(spec, fn, weight, name)
           for (spec, fn, weight, _), name in zip(loaded, names, strict=True)]
+
+
+def named(spec: str, *, where: str, what: str) -> Any:
+  """What `spec` names: `"package.module:name"` (or `"package.module.name"`), or
+  `"path/to/file.py:name"` (a file, relative to the working directory).
+
+  Raises:
+    ValueError: naming `where` and the spec, when it cannot be imported or has no such
+      name.
+  """
+  module_name, sep, attr = spec.rpartition(":")
+  if not sep:
+    module_name, _, attr = spec.rpartition(".")
+  try:
+    module = _module(module_name)
+  except (ImportError, ValueError, OSError, SyntaxError) as e:
+    raise ValueError(f"{where}: cannot import the {what} {spec!r} ({e}); name it as "
+                     f"'package.module:name', importable from the run, or "
+                     f"'path/to/file.py:name'.") from e
+  value = getattr(module, attr, None)
+  if value is None:
+    listed = ", ".join(_functions(module)) or "it has none"
+    raise ValueError(f"{where}: {spec!r}: {_where(module_name)} has no {attr!r}; name one "
+                     f"of its functions ({listed}).")
+  return value
 
 
 def _unique_names(named: list[tuple[str, str]]) -> list[str]:
@@ -122,7 +138,8 @@ def _where(module_name: str) -> str:
 
 def _functions(module) -> list[str]:
   return sorted(n for n, v in vars(module).items()
-                if isinstance(v, types.FunctionType) and not n.startswith("_"))
+                if isinstance(v, types.FunctionType | type) and not n.startswith("_")
+                and getattr(v, "__module__", None) == module.__name__)
 
 
 def _module(name: str):
@@ -150,17 +167,24 @@ def conversational(prompt: Any) -> bool:
 def arguments(records: Sequence[Mapping[str, Any]], completions: Sequence[str], *,
               prompt_field: str, prompt_ids: Sequence[Sequence[int]],
               completion_ids: Sequence[Sequence[int]], step: int = 0,
-              max_steps: int | None = None) -> dict[str, Any]:
+              max_steps: int | None = None, messages: Sequence[list] | None = None,
+              environments: Sequence[Any] | None = None) -> dict[str, Any]:
   """The keyword arguments of a reward call on `completions` of `records` (one record per
-  completion, a group's repeated): TRL's, as the module docstring lists them."""
+  completion, a group's repeated): TRL's, as the module docstring lists them. A
+  multi-turn rollout's completions are its `messages` (its assistant turns and tool
+  turns), and its `environments` are passed too."""
   prompts = [r[prompt_field] for r in records]
   kwargs: dict[str, Any] = {}
   for key in dict.fromkeys(k for r in records for k in r):
     if key not in (prompt_field, "completion", "completion_ids"):
       kwargs[key] = [r.get(key) for r in records]
   texts = list(completions)
-  if prompts and conversational(prompts[0]):
+  if messages is not None:
+    texts = [list(m) for m in messages]
+  elif prompts and conversational(prompts[0]):
     texts = [[{"role": "assistant", "content": c}] for c in completions]
+  if environments is not None:
+    kwargs["environments"] = list(environments)
   return {**kwargs, "prompts": prompts, "completions": texts,
           "prompt_ids": [list(p) for p in prompt_ids],
           "completion_ids": [list(c) for c in completion_ids],
@@ -227,7 +251,8 @@ def _short(value: Any, width: int = 80) -> str:
 
 
 def check(rewards: Sequence[Reward], records: Sequence[Mapping[str, Any]], *,
-          prompt_field: str, prompt_ids: Sequence[Sequence[int]]) -> None:
+          prompt_field: str, prompt_ids: Sequence[Sequence[int]],
+          environments: Sequence[Any] | None = None) -> None:
   """Calls every function once on `records` (the first prompts a run reads) with empty
   completions, before the train step compiles, so that a function that cannot be called
   with the records' fields, or returns what cannot be a reward, is refused in seconds.
@@ -238,5 +263,6 @@ def check(rewards: Sequence[Reward], records: Sequence[Mapping[str, Any]], *,
   if not records:
     return
   score(rewards, arguments(records, [""] * len(records), prompt_field=prompt_field,
-                           prompt_ids=prompt_ids, completion_ids=[[] for _ in records]),
+                           prompt_ids=prompt_ids, completion_ids=[[] for _ in records],
+                           environments=environments),
         warn=False)

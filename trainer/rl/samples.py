@@ -4,7 +4,8 @@ The reward call of each train step (on the host) keeps its first `config.rl.log_
 rows in a `Samples`; every `config.log_every_steps` the `CompletionSamples` action writes the
 latest as a Markdown table, `completions`, to the run's writers (TensorBoard's Text tab,
 `texts.jsonl`, the console): each row's prompt, its completion, its total reward and each
-function's.
+function's. A multi-turn completion shows every turn: the assistant's text, its calls as
+`[call name({...})]` and each tool's result as `[name -> result]`.
 """
 
 from __future__ import annotations
@@ -18,9 +19,21 @@ from trainer.loop.actions import Action
 from trainer.writers import markdown_table
 
 
+def _turn(message: Mapping) -> str:
+  """One turn of a multi-turn completion: an assistant's text and calls, a tool's result."""
+  if message.get("role") == "tool":
+    return f"[{message.get('name', 'tool')} -> {message.get('content', '')}]"
+  calls = " ".join(f"[call {c['function']['name']}({json.dumps(c['function']['arguments'])})]"
+                   for c in message.get("tool_calls") or ())
+  return " ".join(part for part in (message.get("content", ""), calls) if part)
+
+
 def _text(value: Any) -> Any:
-  """A conversation as its last turn's text (a prompt's user turn, a completion)."""
+  """A conversation as its last turn's text (a prompt's user turn, a completion); a
+  multi-turn completion (tool calls and their results) as all its turns."""
   if isinstance(value, list) and value and isinstance(value[-1], Mapping):
+    if len(value) > 1 or value[-1].get("tool_calls"):
+      return " ".join(_turn(m) for m in value)
     return value[-1].get("content", json.dumps(value))
   return value
 

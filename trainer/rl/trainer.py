@@ -40,94 +40,19 @@ from trainer.preference import reference as reference_lib
 from trainer.preference.losses import token_logps
 from trainer.rl import data as rl_data
 from trainer.rl import losses as losses_lib
+from trainer.rl import multi_turn as multi_turn_lib
 from trainer.rl import rewards as rewards_lib
 from trainer.rl import samples as samples_lib
+from trainer.rl import tools as tools_lib
 from trainer.rl.data import PROMPT_IDS, PROMPT_LENGTHS, RECORD
+from trainer.rl.settings import RL
 from trainer.trainer import Batch
 
 PyTree = Any
 #: The update batch's keys beyond `inputs` and `targets`.
-WEIGHTS, ADVANTAGES, OLD, REF, REWARD, EACH, CLIPPED = (
+WEIGHTS, ADVANTAGES, OLD, REF, REWARD, EACH, CLIPPED, TOOLS = (
     "completion_weights", "advantages", "old_logps", "ref_logps", "rewards", "reward_each",
-    "clipped")
-
-
-@dataclasses.dataclass(frozen=True)
-class RL:
-  """`config.rl`, checked."""
-
-  loss: str
-  num_generations: int
-  num_iterations: int
-  beta: float
-  epsilon: float
-  epsilon_high: float
-  scale_rewards: str
-  max_prompt_length: int
-  max_completion_length: int
-  temperature: float
-  reference: str  # "copy", "adapters_off" or "none" (beta 0).
-
-  @classmethod
-  def from_config(cls, config: ml_collections.ConfigDict) -> RL:
-    """Raises:
-      ValueError: naming the field, the value and what is accepted.
-    """
-    if "rl" not in config:
-      raise ValueError("RLTrainer needs config.rl (configs/rl.py: rl_fields()).")
-    spec = config.rl
-
-    def number(name, ok, accepted):
-      value = spec[name]
-      if isinstance(value, bool) or not isinstance(value, int | float) or not ok(value):
-        raise ValueError(f"config.rl.{name}={value!r} must be {accepted}.")
-      return value
-
-    if spec.loss not in losses_lib.LOSSES:
-      raise ValueError(f"config.rl.loss={spec.loss!r} is not one of {losses_lib.LOSSES}.")
-    if spec.scale_rewards not in losses_lib.SCALES:
-      raise ValueError(f"config.rl.scale_rewards={spec.scale_rewards!r} is not one of "
-                       f"{losses_lib.SCALES}.")
-    g = number("num_generations", lambda v: isinstance(v, int) and v >= 2,
-               "an integer >= 2 (a group's advantages compare its completions)")
-    mu = number("num_iterations", lambda v: isinstance(v, int) and v >= 1, "an integer >= 1")
-    beta = number("beta", lambda v: v >= 0, "a number >= 0 (0: no KL, no reference)")
-    eps = number("epsilon", lambda v: v > 0, "a number > 0")
-    eps_high = spec.epsilon_high if spec.epsilon_high is not None else eps
-    if isinstance(eps_high, bool) or not isinstance(eps_high, int | float) or eps_high <= 0:
-      raise ValueError(f"config.rl.epsilon_high={eps_high!r} must be a number > 0 (None: "
-                       f"epsilon).")
-    temperature = number("temperature", lambda v: v > 0, "a number > 0 (rollouts sample)")
-    prompt = number("max_prompt_length", lambda v: isinstance(v, int) and v >= 1,
-                    "an integer >= 1")
-    completion = number("max_completion_length", lambda v: isinstance(v, int) and v >= 1,
-                        "an integer >= 1")
-    number("max_record_bytes", lambda v: isinstance(v, int) and v >= 2,
-           "an integer >= 2 (each row carries its record as JSON, in up to this many bytes)")
-    number("log_completions", lambda v: isinstance(v, int) and v >= 0,
-           "an integer >= 0 (rows of the completions table; 0: none)")
-    if prompt + completion > config.model.max_len:
-      raise ValueError(f"config.rl.max_prompt_length={prompt} + max_completion_length="
-                       f"{completion} = {prompt + completion} positions, more than the "
-                       f"model's config.model.max_len={config.model.max_len}.")
-    from strategies.context import CONTEXT_AXIS
-    from strategies.pipeline import STAGE_AXIS
-    axes = tuple(config.strategy.mesh_axes)
-    for axis in (STAGE_AXIS, CONTEXT_AXIS):
-      if axis in axes and config.strategy.name == "sharded_data_parallel":
-        raise ValueError(f"config.strategy.mesh_axes={axes}: RL generates its rollouts in "
-                         f"the train step, and the key/value cache cannot be split over the "
-                         f"{axis!r} axis; it runs under single_device or "
-                         f"sharded_data_parallel with data, fsdp and tensor axes.")
-    reference = "none"
-    if beta:
-      if spec.reference not in ("auto", "copy", "adapters_off"):
-        raise ValueError(f"config.rl.reference={spec.reference!r} is not one of ('auto', "
-                         f"'copy', 'adapters_off').")
-      reference = reference_lib.resolve(spec.reference, config, field="config.rl.reference",
-                                        otherwise="'copy'")
-    return cls(spec.loss, g, mu, float(beta), float(eps), float(eps_high),
-               spec.scale_rewards, prompt, completion, float(temperature), reference)
+    "clipped", "tool_stats")
 
 
 #: The train metrics every RL run logs, under TRL 1.16's names (`metric_names`).
@@ -138,11 +63,16 @@ TRAIN_METRICS = ("loss", "reward", "reward_std", "frac_reward_zero_std",
                  "clip_ratio/high_mean", "clip_ratio/region_mean", "on_policy_gap")
 
 
-def metric_names(rewards, *, kl: bool) -> tuple[str, ...]:
+#: A multi-turn run's tool metrics: TRL's calls per rollout and failures per call, and
+#: the assistant turns per rollout.
+TOOL_METRICS = ("tools/call_frequency", "tools/failure_frequency", "tools/turns")
+
+
+def metric_names(rewards, *, kl: bool, tools: bool = False) -> tuple[str, ...]:
   """A run's train metrics: `TRAIN_METRICS`, each reward function's mean and std
-  (`rewards/<name>/mean`, `/std`), and `kl` with `beta > 0`."""
+  (`rewards/<name>/mean`, `/std`), `kl` with `beta > 0`, and `TOOL_METRICS` with tools."""
   each = tuple(f"rewards/{r.name}/{stat}" for r in rewards for stat in ("mean", "std"))
-  return TRAIN_METRICS + each + (("kl",) if kl else ())
+  return TRAIN_METRICS + each + (("kl",) if kl else ()) + (TOOL_METRICS if tools else ())
 
 
 def _masked_mean(x: jax.Array, mask: jax.Array) -> jax.Array:
@@ -159,7 +89,13 @@ class RLTrainer(LanguageModelTrainer):
 
   def __init__(self, config: ml_collections.ConfigDict, **kwargs):
     self.rl = RL.from_config(config)  # Refused before any compute.
-    self.rewards = rewards_lib.load(tuple(config.rl.rewards), tuple(config.rl.reward_weights))
+    self.toolbox = tools_lib.load(tuple(config.rl.get("tools", ())),
+                                  config.rl.get("environment") or None)
+    rewarded = self.toolbox is not None and self.toolbox.rewarded
+    self.rewards = (rewards_lib.load(tuple(config.rl.rewards), tuple(config.rl.reward_weights))
+                    if config.rl.rewards or not rewarded else [])
+    if rewarded:  # The environment's get_reward: one more reward (TRL's).
+      self.rewards.append(multi_turn_lib.environment_reward(self.toolbox))
     super().__init__(config, **kwargs)
     from trainer.generation import Generator, Sampling
     self.generator = Generator.from_trainer(self)
@@ -176,7 +112,11 @@ class RLTrainer(LanguageModelTrainer):
                              temperature=self.rl.temperature, top_k=config.rl.top_k,
                              top_p=config.rl.top_p, stop_tokens=() if stop is None else (stop,),
                              pad_id=0 if stop is None else stop)
-    self.metric_names = metric_names(self.rewards, kl=self.rl.beta > 0)
+    #: The multi-turn rollouts with tools (`trainer.rl.multi_turn`); None: one turn.
+    self.multi_turn = (multi_turn_lib.build(self) if self.toolbox is not None
+                       and stop is not None else None)
+    self.metric_names = metric_names(self.rewards, kl=self.rl.beta > 0,
+                                     tools=self.toolbox is not None)
     self._metrics = metrics_lib.collection_of(
         {**{n: NanAverage for n in self.metric_names if n != "on_policy_gap"},
          "on_policy_gap": clu_metrics.LastValue})
@@ -196,9 +136,15 @@ class RLTrainer(LanguageModelTrainer):
       return
     finally:
       prompts.close()
-    rewards_lib.check(self.rewards, rl_data.records_of(batch[RECORD]),
-                      prompt_field=self.config.rl.prompt_field,
-                      prompt_ids=self._prompt_lists(batch[PROMPT_IDS], batch[PROMPT_LENGTHS]))
+    records = rl_data.records_of(batch[RECORD])
+    environments = None
+    if self.toolbox is not None and self.toolbox.environment is not None:
+      environments = [self.toolbox.new_environment() for _ in records]
+      for seed, (environment, record) in enumerate(zip(environments, records, strict=True)):
+        self.toolbox.reset(environment, record, seed)
+    rewards_lib.check(self.rewards, records, prompt_field=self.config.rl.prompt_field,
+                      prompt_ids=self._prompt_lists(batch[PROMPT_IDS], batch[PROMPT_LENGTHS]),
+                      environments=environments)
 
   def default_actions(self, *, checkpointer, eval_batches, workdir, writer=None):
     """The Trainer's, and the sample completions every `config.log_every_steps`
@@ -292,6 +238,11 @@ class RLTrainer(LanguageModelTrainer):
     if REF in batch:
       delta = batch[REF] - logps
       values["kl"] = _masked_mean(jnp.exp(delta) - delta - 1.0, mask)
+    if TOOLS in batch:
+      calls, failures, turns = (batch[TOOLS][:, i] for i in range(3))
+      values["tools/call_frequency"] = calls.mean()
+      values["tools/failure_frequency"] = failures.sum() / jnp.maximum(calls.sum(), 1.0)
+      values["tools/turns"] = turns.mean()
     return self._metrics.single_from_model_output(**metrics_lib.outputs(values))
 
   def tokens_per_example(self, batch: Batch) -> int:
@@ -320,6 +271,8 @@ class RLTrainer(LanguageModelTrainer):
              ADVANTAGES: np.zeros((rows,), np.float32), REWARD: np.zeros((rows,), np.float32),
              EACH: np.zeros((rows, len(self.rewards)), np.float32),
              CLIPPED: np.zeros((rows,), np.float32)}
+    if self.multi_turn is not None:
+      batch[TOOLS] = np.zeros((rows, len(multi_turn_lib.STATS)), np.float32)
     return {**batch, REF: values} if rl.reference != "none" else batch
 
   def plan_notes(self, abstract_state) -> list[str]:
@@ -358,11 +311,17 @@ class RLTrainer(LanguageModelTrainer):
     return [p[:n].tolist() for p, n in zip(np.asarray(prompt_ids), np.asarray(prompt_lengths),
                                             strict=True)]
 
-  def _host_rewards(self, prompt_ids, prompt_lengths, records, new, counts, step, *,
-                    group: int, keep: bool = False):
+  def _host_rewards(self, prompt_ids, prompt_lengths, records, new, counts, step,
+                    handle=None, *, group: int, keep: bool = False):
     """The rewards of a rollout's completions (`trainer.rl.rewards`), on the host: each
-    group's prompt record (its prompt's ids decoded where the batch holds no records)."""
+    group's prompt record (its prompt's ids decoded where the batch holds no records).
+    With `handle`, a multi-turn rollout's: its conversations and environments are
+    closed (`trainer.rl.multi_turn.closed`) and their tool statistics returned too."""
     decode = self.tokenizer.tokenizer.decode_batch
+    episodes = stats = None
+    if handle is not None:
+      episodes, stats = multi_turn_lib.closed(self.multi_turn.episodes, int(handle), new,
+                                              counts)
     prompts = self._prompt_lists(prompt_ids, prompt_lengths)
     completions = [c[:n].tolist() for c, n in zip(np.asarray(new), np.asarray(counts),
                                                   strict=True)]
@@ -376,21 +335,25 @@ class RLTrainer(LanguageModelTrainer):
     rows = np.flatnonzero(real)
     totals = np.full((len(prompts),), np.nan, np.float32)
     values = np.full((len(prompts), len(self.rewards)), np.nan, np.float32)
+    done = (lambda out: out) if stats is None else (lambda out: (*out, stats))  # noqa: E731
     if not len(rows):
-      return totals, values
+      return done((totals, values))
     kwargs = rewards_lib.arguments(
         [r for r in records for _ in range(group)],
         decode([completions[i] for i in rows], skip_special_tokens=True),
         prompt_field=self.config.rl.prompt_field, prompt_ids=[prompts[i] for i in rows],
         completion_ids=[completions[i] for i in rows], step=int(step),
-        max_steps=self.num_train_steps)
+        max_steps=self.num_train_steps,
+        messages=None if episodes is None else [episodes[i].messages for i in rows],
+        environments=None if episodes is None or self.toolbox.environment is None else [
+            episodes[i].environment for i in rows])
     total, each = rewards_lib.score(self.rewards, kwargs)
     if keep:
       self.samples.keep(step, kwargs["prompts"], kwargs["completions"], total, each)
     totals[rows] = total
     values[rows] = np.asarray([each[r.name] for r in self.rewards], np.float32).T.reshape(
         len(rows), len(self.rewards))
-    return totals, values
+    return done((totals, values))
 
   def rollout(self, state, batch: Batch, *, group: int, sampling, keep: bool = False
               ) -> dict[str, jax.Array]:
@@ -405,13 +368,28 @@ class RLTrainer(LanguageModelTrainer):
         jnp.arange(rows * (self.strategy.num_data_replicas
                            if self.strategy.step_sees_batch_shard else 1)))
     keys = jax.vmap(lambda i: jax.random.fold_in(step_key, i))(ids)
-    new, counts, stopped = self.generator.program(sampling)(
-        state, {"tokens": prompts, "lengths": lengths, "keys": keys})
     shapes = (jax.ShapeDtypeStruct((rows,), jnp.float32),
               jax.ShapeDtypeStruct((rows, len(self.rewards)), jnp.float32))
-    (total, each), ok = self.compiled.host_calls.call(
-        functools.partial(self._host_rewards, group=group, keep=keep), shapes, prompts, lengths,
-        batch.get(RECORD), new, counts, state.step)
+    host = functools.partial(self._host_rewards, group=group, keep=keep)
+    extra = {}
+    if self.multi_turn is None:
+      new, counts, stopped = self.generator.program(sampling)(
+          state, {"tokens": prompts, "lengths": lengths, "keys": keys})
+      (total, each), ok = self.compiled.host_calls.call(host, shapes, prompts, lengths,
+                                                        batch.get(RECORD), new, counts,
+                                                        state.step)
+    else:  # Tools: the prompts rendered on the host, turns continued from the cache.
+      rendered, started = self.multi_turn.prompts(batch[RECORD], group=group, step=state.step,
+                                                  rows=ids)
+      prompts, lengths = rendered["tokens"], rendered["lengths"]
+      new, counts, stopped, tool, looped = self.multi_turn.program()(
+          state, {**rendered, "keys": keys})
+      shapes += (jax.ShapeDtypeStruct((rows, len(multi_turn_lib.STATS)), jnp.float32),)
+      (total, each, stats), ok = self.compiled.host_calls.call(
+          host, shapes, prompts, lengths, batch.get(RECORD), new, counts, state.step,
+          rendered[multi_turn_lib.HANDLE])
+      ok = ok & started & looped
+      extra = {TOOLS: stats, "tool_mask": tool}
     # Each row: its prompt's tokens, then its completion's, then padding.
     steps = new.shape[1]
     position = jnp.arange(width + steps)[None]
@@ -424,8 +402,12 @@ class RLTrainer(LanguageModelTrainer):
     target = position[:, 1:]
     weights = ((target >= lengths[:, None]) & (target < (lengths + counts)[:, None])).astype(
         jnp.float32)
+    if "tool_mask" in extra:  # Tool-turn tokens are in the sequence but weigh 0.
+      tool = jnp.take_along_axis(extra.pop("tool_mask"), at, axis=1)[:, 1:]
+      weights = weights * (1.0 - tool.astype(jnp.float32))
     return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], WEIGHTS: weights,
-            REWARD: total, EACH: each, CLIPPED: (~stopped).astype(jnp.float32), "ok": ok}
+            REWARD: total, EACH: each, CLIPPED: (~stopped).astype(jnp.float32), "ok": ok,
+            **extra}
 
   def update_batch(self, state, batch: Batch) -> Batch:
     """A prompt batch's rollouts as the updates' batch: the completions (`rollout`), their

@@ -1,0 +1,249 @@
+"""Multi-turn rollouts with tools, each turn continued from the key/value cache, inside
+the train step.
+
+    turns = MultiTurn(episodes, generator, sampling, host_calls)
+    prompts = turns.prompts(records, rows, step)        # host: environments, templates
+    out = turns.program()(state, {**prompts, "keys": keys})
+
+The loop is the `Generator`'s, under the training layout, with one more source of
+tokens. At each completion position every row feeds one token through the model's
+cache: a token it samples, or the next token of a tool turn the host appended
+(`forced`). When rows sample their end-of-turn token (EOS), one host call
+(`jax.pure_callback` through `trainer.step.host_calls`, under `lax.cond`, so a position
+where no turn ends costs nothing) hands their turns to `trainer.rl.episodes.Episodes`,
+which calls their tools and answers each row's tool-turn tokens or the end of its
+rollout. Only new tokens run through the model: the prompt and every earlier turn stay
+in the cache. The loop ends at `max_completion_length` or when every rollout has ended.
+
+The outputs: each row's completion (its own turns, the tool turns, then padding), its
+length, whether it ended by itself, the tool mask (1 on tool-turn tokens, which the
+loss weighs 0) and the host calls' `ok`.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from trainer.rl import data as rl_data
+from trainer.rl.episodes import Episodes
+
+PyTree = Any
+#: The extra keys of a multi-turn rollout batch.
+HANDLE = "handle"
+
+
+def seeds_of(step: int, rows: np.ndarray) -> list[int]:
+  """Each row's environment seed: a function of the step and the row (its index in the
+  global batch), so a rerun of the step resets the environments as the first run did."""
+  return [int(np.uint32((int(step) * 1_000_003 + int(r) * 7_919 + 17) % 2**32))
+          for r in np.asarray(rows)]
+
+
+class MultiTurn:
+  """The multi-turn rollout's two host calls and its compiled loop (module docstring).
+
+  Args:
+    episodes: the host state (`trainer.rl.episodes.Episodes`).
+    generator: the run's `trainer.generation.Generator` (its model and layout).
+    sampling: how tokens are chosen; its `stop_tokens` end a turn.
+    host_calls: the compiled steps' `HostCalls`.
+    policy: `policy(logits, keys, t, new, tool) -> tokens [rows]` in place of sampling
+      from the logits (a test's scripted assistant); None: `Sampling`'s draw.
+  """
+
+  def __init__(self, episodes: Episodes, generator, sampling, host_calls, policy=None):
+    self.episodes, self.generator = episodes, generator
+    self.sampling, self.host_calls = sampling, host_calls
+    self.policy = policy
+
+  # -- Host calls ------------------------------------------------------------------------
+
+  def _host_prompts(self, records, step, rows, *, group: int, width: int):
+    real = np.repeat(np.asarray(records).any(axis=-1), group)  # Eval padding: no record.
+    each = iter(rl_data.records_of(np.asarray(records)[np.asarray(records).any(axis=-1)]))
+    kept = [next(each) for _ in range(int(real.sum()) // group)]
+    records = [r for r in kept for _ in range(group)]
+    records = [records.pop(0) if is_real else None for is_real in real]
+    handle, prompts = self.episodes.start(records, seeds_of(int(step), rows))
+    tokens = np.full((len(prompts), width), self.sampling.pad_id, np.int32)
+    for i, p in enumerate(prompts):
+      tokens[i, :len(p)] = p
+    return tokens, np.asarray([len(p) for p in prompts], np.int32), np.int32(handle)
+
+  def prompts(self, records: jax.Array, *, group: int, step: jax.Array, rows: jax.Array
+              ) -> tuple[dict[str, jax.Array], jax.Array]:
+    """The rollouts' prompts (`group` per record), rendered on the host with the tools and
+    each environment's reset text, and the rollouts' handle; and `ok`."""
+    n, width = records.shape[0] * group, self.episodes.max_prompt_length
+    shapes = (jax.ShapeDtypeStruct((n, width), jnp.int32),
+              jax.ShapeDtypeStruct((n,), jnp.int32), jax.ShapeDtypeStruct((), jnp.int32))
+    (tokens, lengths, handle), ok = self.host_calls.call(
+        functools.partial(self._host_prompts, group=group, width=width), shapes, records,
+        step, rows)
+    return {"tokens": tokens, "lengths": jnp.maximum(lengths, 1), HANDLE: handle}, ok
+
+  def _host_turn(self, handle, ended, new, t):
+    rows = np.flatnonzero(np.asarray(ended))
+    steps = new.shape[1]
+    block = np.full((new.shape[0], steps), self.sampling.pad_id, np.int32)
+    length = np.zeros((new.shape[0],), np.int32)
+    finish = np.zeros((new.shape[0],), np.bool_)
+    if len(rows):
+      for row, ids in self.episodes.turn(int(handle), rows, np.asarray(new), int(t)).items():
+        if ids is None:
+          finish[row] = True
+        else:
+          block[row, :len(ids)], length[row] = ids, len(ids)
+    return block, length, finish
+
+  # -- The loop ----------------------------------------------------------------------------
+
+  def program(self):
+    """`program(state, batch) -> (new, counts, stopped, tool, ok)` for a batch of
+    right-padded prompt `tokens`, their `lengths`, the rows' raw `keys` and the episodes'
+    `handle` (`prompts`)."""
+    from models import kv_cache
+    from trainer.generation import choose, logits_of
+    mv, vocab, sampling = self.generator.model_variables, self.generator.vocab_size, (
+        self.sampling)
+    steps = sampling.max_new_tokens
+    stop = jnp.asarray(sampling.stop_tokens or (-1,), jnp.int32)
+    pad = sampling.pad_id
+
+    def pick(logits, keys, t):
+      return choose(logits[:, :vocab] if vocab is not None else logits, keys, t, sampling)
+
+    def program(state, batch):
+      tokens, lengths, keys, handle = (batch["tokens"], batch["lengths"], batch["keys"],
+                                       batch[HANDLE])
+      rows, width = tokens.shape
+      slots = width + steps
+      rngs = {"params": jax.random.PRNGKey(0), "dropout": jax.random.PRNGKey(0)}
+
+      def call(cache, inputs, positions):
+        outputs, cache = mv.decode(state.params, state.model_state, cache,
+                                   ((inputs,), {"positions": positions}), rngs=rngs,
+                                   length=slots)
+        return logits_of(outputs), cache
+
+      positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (rows, width))
+      logits, cache = call(None, tokens, positions)
+      last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
+      cache = kv_cache.set_index(cache, lengths)
+      shapes = (jax.ShapeDtypeStruct((rows, steps), jnp.int32),
+                jax.ShapeDtypeStruct((rows,), jnp.int32),
+                jax.ShapeDtypeStruct((rows,), jnp.bool_))
+
+      def host(new, ended, t):
+        (block, length, finish), ok = self.host_calls.call(self._host_turn, shapes, handle,
+                                                           ended, new, t)
+        return block, length, finish, ok
+
+      def no_turn(new, ended, t):
+        del new, ended, t
+        return (jnp.full((rows, steps), pad, jnp.int32), jnp.zeros((rows,), jnp.int32),
+                jnp.zeros((rows,), jnp.bool_), jnp.bool_(True))
+
+      def cond(carry):
+        return (carry["t"] < steps) & ~jnp.all(carry["done"])
+
+      def body(c):
+        t = c["t"]
+        forcing = (c["at"] < c["block_length"]) & ~c["done"]
+        forced = jnp.take_along_axis(c["block"], jnp.minimum(c["at"], steps - 1)[:, None],
+                                     axis=1)[:, 0]
+        sampled = (pick(c["logits"], keys, t) if self.policy is None
+                   else self.policy(c["logits"], keys, t, c["new"], c["tool"]))
+        chosen = jnp.where(c["done"], pad, jnp.where(forcing, forced, sampled))
+        new = c["new"].at[:, t].set(chosen)
+        tool = c["tool"].at[:, t].set(forcing)
+        ended = ~c["done"] & ~forcing & jnp.isin(chosen, stop)
+        block, length, finish, ok = jax.lax.cond(jnp.any(ended), host, no_turn, new, ended, t)
+        turn = ended & ~finish
+        done = c["done"] | (ended & finish)
+        count = jnp.where(ended & finish, t + 1, c["count"])
+        logits, cache = call(c["cache"], chosen[:, None], (lengths + t)[:, None])
+        return dict(
+            t=t + 1, logits=logits[:, 0], cache=cache, new=new, tool=tool, done=done,
+            count=count, ok=c["ok"] & ok,
+            block=jnp.where(turn[:, None], block, c["block"]),
+            block_length=jnp.where(turn, length, c["block_length"]),
+            at=jnp.where(turn, 0, c["at"] + forcing.astype(jnp.int32)))
+
+      carry = dict(t=jnp.int32(0), logits=last, cache=cache,
+                   new=jnp.full((rows, steps), pad, jnp.int32),
+                   tool=jnp.zeros((rows, steps), jnp.bool_), done=jnp.zeros((rows,), jnp.bool_),
+                   count=jnp.full((rows,), steps, jnp.int32), ok=jnp.bool_(True),
+                   block=jnp.full((rows, steps), pad, jnp.int32),
+                   block_length=jnp.zeros((rows,), jnp.int32),
+                   at=jnp.zeros((rows,), jnp.int32))
+      out = jax.lax.while_loop(cond, body, carry)
+      return out["new"], out["count"], out["done"], out["tool"], out["ok"]
+
+    return program
+
+
+#: Each rollout's tool statistics, in `stats` columns: calls, failed calls, assistant turns.
+STATS = ("calls", "failures", "turns")
+
+
+def closed(episodes: Episodes, handle: int, new: np.ndarray, counts: np.ndarray
+           ) -> tuple[list, np.ndarray]:
+  """The rollouts of `handle`, ended (`Episodes.close`), and their `STATS` `[rows, 3]`."""
+  done = episodes.close(handle, np.asarray(new), np.asarray(counts))
+  stats = np.asarray([[e.calls, e.failures, max(1, sum(m["role"] == "assistant"
+                                                       for m in e.messages))]
+                      for e in done], np.float32).reshape(len(done), len(STATS))
+  return done, stats
+
+
+def environment_reward(toolbox) -> Any:
+  """The environment's `get_reward` as one more reward function (TRL's: named after the
+  class, weight 1; None for a rollout whose environment is another class)."""
+  from trainer.rl.rewards import Reward
+  cls = toolbox.environment
+
+  def get_reward(environments, **kwargs):
+    del kwargs
+    return [e.get_reward() if type(e) is cls else None for e in environments]
+
+  return Reward(f"{cls.__module__}:{cls.__name__}.get_reward", get_reward, 1.0, cls.__name__)
+
+
+def build(trainer) -> MultiTurn:
+  """The run's multi-turn rollouts, its chat template checked before anything compiles.
+
+  Raises:
+    ToolError: a chat template that does not render the tools, or whose tool calls this
+      project cannot read, naming the file.
+  """
+  from trainer.rl.tools import ToolError
+  rl, config = trainer.rl, trainer.config
+  tokenizer = trainer.tokenizer
+  try:
+    template = tokenizer.chat_template()
+  except ValueError as e:
+    raise ToolError(f"config.rl.tools / environment: {e}") from None
+  episodes = Episodes(trainer.toolbox, tokenizer,
+                      max_iterations=rl.max_tool_calling_iterations,
+                      budget=rl.max_completion_length, max_prompt_length=rl.max_prompt_length,
+                      prompt_field=config.rl.prompt_field)
+  probe = template.render([{"role": "user", "content": "?"}], add_generation_prompt=True,
+                          tools=episodes.schemas)
+  missing = [s["function"]["name"] for s in episodes.schemas
+             if s["function"]["name"] not in probe]
+  if missing or episodes.format is None:
+    raise ToolError(
+        f"config.rl.tools / environment: the chat template of {template.where} "
+        + (f"does not render the tools {missing} into the prompt"
+           if missing else "renders tool calls in a format this project does not read")
+        + "; tools need a template that renders them (apply_chat_template(tools=...)) and "
+        "calls in one of the formats of trainer.rl.tool_calls (Qwen's <tool_call> JSON, "
+        "Llama 3's JSON).")
+  return MultiTurn(episodes, trainer.generator, trainer.sampling,
+                   trainer.compiled.host_calls)
