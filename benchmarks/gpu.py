@@ -31,7 +31,10 @@ seconds (`--size smoke`, the default elsewhere):
   single-model steps (`ensemble_step_time.py --groups 4on1`);
 - `rl`: an RL step's time split into rollout, rewards, log-probs and update, and its
   rollout's tokens/s against `Generator` alone and a generate-then-train loop over two
-  states, a GPT-2 of 12 x 768 (`rl.py`).
+  states, a GPT-2 of 12 x 768 (`rl.py`);
+- `rl_tools`: multi-turn rollouts of 4 tool turns continued from the cache against the
+  prefix run again at each turn, and a multi-turn step's parts, a GPT-2 of 12 x 768
+  (`rl_tools.py`).
 
 The parent process never starts jax on the accelerator (a probe subprocess names
 the device), so each stage has the whole GPU. Stages run in order; one that
@@ -125,6 +128,13 @@ STAGES = {
         "smoke": ["rl.py", "--layers", "1", "--embed", "64", "--vocab", "64", "--prompts", "2",
                   "--group", "2", "--prompt-len", "8", "--new", "4", "--steps", "1",
                   "--repeats", "1", "--devices", "2"],
+    },
+    "rl_tools": {  # Tool turns from the cache against the prefix run again; a step's parts.
+        "gpu": ["rl_tools.py", "--layers", "12", "--embed", "768", "--prompts", "8", "--group",
+                "8", "--turns", "4", "--compute-dtype", "bfloat16", "--steps", "2",
+                "--repeats", "2"],
+        "smoke": ["rl_tools.py", "--layers", "1", "--embed", "64", "--prompts", "2", "--group",
+                  "2", "--turns", "2", "--steps", "1", "--repeats", "1"],
     },
 }
 

@@ -10,8 +10,11 @@ r"""Reinforcement learning with verifiable rewards (examples/rl_lm.py).
 
 Variants: `addition` (a 2-layer transformer from scratch on single-digit sums over a
 character vocabulary, the reward 1 for the right digit), `sweep` (`addition` at four
-learning rates, one ensemble program: `trainer.sweep`) and `finetuned` (an HF model, the
-fine-tune example's by default, on prompts of the docs, with LoRA adapters).
+learning rates, one ensemble program: `trainer.sweep`), `finetuned` (an HF model, the
+fine-tune example's by default, on prompts of the docs, with LoRA adapters), `tools`
+(a table only a `lookup` tool reads, multi-turn rollouts after a supervised warm start:
+`examples/tool_tasks.py`) and `reasoning` (a `reasoning_gym` dataset scored by its own
+`score_answer`: `examples/reasoning_tasks.py`).
 """
 
 import os
@@ -25,7 +28,13 @@ from configs import base, finetune_lm, lm
 TASKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples",
                      "rl_tasks.py")
 
-VARIANTS = ("addition", "sweep", "finetuned")
+#: The tool-use task's file (its environment, reward and files).
+TOOL_TASKS = os.path.join(os.path.dirname(TASKS), "tool_tasks.py")
+
+#: The reasoning_gym task's file (its records and reward).
+REASONING_TASKS = os.path.join(os.path.dirname(TASKS), "reasoning_tasks.py")
+
+VARIANTS = ("addition", "sweep", "finetuned", "tools", "reasoning")
 
 
 def rl_fields() -> ml_collections.ConfigDict:
@@ -102,6 +111,30 @@ def get_config(variant: str = "addition") -> ml_collections.ConfigDict:
   config.schedule.name = "cosine"
   config.schedule.warmup_steps = 0
   config.checkpoint.every_steps = 0
+  if variant == "tools":  # A table only a tool reads (examples/tool_tasks.py).
+    config.model.update(max_len=192, vocab_size=64)  # The warm start packs 4 a row.
+    config.rl.update(max_prompt_length=32, max_completion_length=32, num_generations=8,
+                     environment=f"{TOOL_TASKS}:Table", rewards=(f"{TOOL_TASKS}:correct_value",),
+                     max_tool_calling_iterations=2, log_completions=4)
+    config.batch_size = 8
+    config.num_train_steps = 60
+    config.log_every_steps = 10
+    # A supervised warm start on whole demonstrated conversations (a call, its result, the
+    # answer) before RL, as tool-use RL starts in practice; its checkpoint is the policy's
+    # config.init_from (the example writes both).
+    config.warm_start = ml_collections.ConfigDict(dict(
+        steps=400, demonstrations=4000, learning_rate=1e-2, seq_len=192))
+  if variant == "reasoning":  # A reasoning_gym dataset, scored by its own score_answer.
+    config.model.update(max_len=48, vocab_size=104)
+    config.rl.update(max_prompt_length=40, max_completion_length=4, num_generations=16,
+                     rewards=(f"{REASONING_TASKS}:score_answer",), log_completions=4)
+    config.batch_size = 16
+    config.num_train_steps = 100
+    # The dataset the example generates (examples/reasoning_tasks.py): its name, sizes and
+    # settings (reasoning_gym.create_dataset's keyword arguments).
+    config.reasoning = ml_collections.ConfigDict(dict(
+        dataset="basic_arithmetic", size=400, held_out=32, settings=dict(
+            min_terms=2, max_terms=2, min_digits=1, max_digits=1, operators=("+",))))
   if variant == "sweep":  # Members over the 'ensemble' axis, each one's prompts over 'data'.
     config.strategy.name = "sharded_ensemble"
     config.strategy.logical_axis_rules = ()

@@ -16,6 +16,12 @@ r"""Reinforcement learning with verifiable rewards (GRPO, Dr. GRPO, DAPO) on a l
   export; without one, a random GPT-2 written to `<workdir>/base`) with LoRA adapters,
   on prompts of this repository's docs (a paragraph's opening words; every tenth held
   out), rewarded for mentioning training (`rl_tasks.mentions_training`).
+- `tools`: multi-turn rollouts with an environment (`examples/tool_tasks.py`): a table
+  whose values each rollout draws from its seed, read only by a `lookup` tool. The example
+  first trains the model on demonstrated conversations (`config.warm_start`, checkpointed
+  in `<workdir>/warm_start`, the policy's `config.init_from`), then runs RL.
+- `reasoning`: a `reasoning_gym` dataset (the `reasoning` extra) as prompt records,
+  scored by the dataset's own `score_answer` (`examples/reasoning_tasks.py`).
 
 Each step draws `config.rl.num_generations` completions per prompt with the project's
 `Generator` inside the train step, from the current parameters (`trainer.rl`). The
@@ -35,7 +41,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # rl_tasks: the rewards.
 
 import lm_setup  # noqa: E402
+import reasoning_tasks  # noqa: E402
 import rl_tasks  # noqa: E402
+import tool_tasks  # noqa: E402
 
 from trainer import config as config_lib  # noqa: E402  (no jax: safe before devices)
 from trainer.run import workdir as workdir_lib  # noqa: E402
@@ -79,9 +87,58 @@ def main(argv):
     train(FLAGS.config, FLAGS.workdir)
 
 
+def warm_start(config, demonstrations: str, workdir: str) -> None:
+  """`config.warm_start.steps` of supervised training on whole demonstrated conversations
+  (the LM's loss on every token), checkpointed in `workdir`: the policy's starting point.
+  A finished warm start is not run again."""
+  from trainer import LanguageModelTrainer
+  from trainer.checkpoint import Checkpointer
+  from trainer.data import lm
+
+  warm = config.warm_start
+  sft = config.copy_and_resolve_references()
+  with sft.unlocked():
+    sft.data.update(sources=(demonstrations,), eval_sources=())
+    sft.update(seq_len=warm.seq_len, learning_rate=warm.learning_rate,
+               num_train_steps=warm.steps, eval_every_steps=0)
+    sft.checkpoint.every_steps = warm.steps
+  checkpointer = Checkpointer.from_config(sft, workdir)
+  try:
+    if checkpointer.latest_step() == warm.steps:
+      return
+    trainer = LanguageModelTrainer(sft)
+    trainer.fit(lm.from_config(sft, trainer.strategy.process_slice(sft.batch_size)),
+                num_steps=warm.steps, checkpointer=checkpointer)
+  finally:
+    checkpointer.close()
+
+
 def prepare(config, workdir: str) -> str:
   """The task's files and model (see the module docstring); returns the tokenizer path."""
 
+  if "reasoning" in config:  # A reasoning_gym dataset, written as records.
+    spec = config.reasoning
+    tokenizer_path, train, held_out = reasoning_tasks.write_task(
+        os.path.join(workdir, "task"), spec.dataset, size=spec.size, seed=config.seed,
+        held_out=spec.held_out, **spec.settings.to_dict())
+    with config.unlocked():
+      config.data.tokenizer = config.data.tokenizer or tokenizer_path
+      config.data.sources = config.data.sources or (train,)
+      config.data.eval_sources = config.data.eval_sources or (held_out,)
+    return config.data.tokenizer
+  if "warm_start" in config:  # tools: the table task, and the warm start's checkpoint.
+    tokenizer_path, prompts, demonstrations = tool_tasks.write_task(
+        os.path.join(workdir, "task"), demonstrations=config.warm_start.demonstrations,
+        seed=config.seed)
+    with config.unlocked():
+      config.data.tokenizer = config.data.tokenizer or tokenizer_path
+      config.data.sources = config.data.sources or (prompts,)
+      config.data.eval_sources = config.data.eval_sources or (prompts,)
+    if not config.init_from.path and config.warm_start.steps:
+      warm_start(config, demonstrations, os.path.join(workdir, "warm_start"))
+      with config.unlocked():
+        config.init_from.path = os.path.join(workdir, "warm_start")
+    return config.data.tokenizer
   if config.model.family == "transformer" and not config.init_from.path:  # addition
     prompts, tokenizer_path = rl_tasks.write_addition(os.path.join(workdir, "task"))
     with config.unlocked():

@@ -108,6 +108,7 @@ FEW_STEPS = {
                                  "32", "--pairs", "4", "--steps", "2", "--repeats", "1",
                                  "--devices", "2", "--rows", "sft,dpo copy"],
     "benchmarks/rl.py": _gpu_smoke_args("rl"),  # benchmarks/gpu.py's smoke rl stage.
+    "benchmarks/rl_tools.py": _gpu_smoke_args("rl_tools"),
     "trainer.export": [],  # Reads one checkpoint: seconds as written.
     "trainer.data.train_tokenizer": [],  # A 1024-token BPE on the docs' paragraphs: seconds.
     "benchmarks/hf_load.py": ["--layers", "1", "--embed", "64", "--vocab", "256"],
@@ -132,8 +133,10 @@ FEW_STEPS = {
 }
 
 #: Flags appended after the script's few-step ones to a command that runs one of these
-#: configs: a study of 8 trials (one round of its 8 slots) instead of 32.
-FEW_STEPS_FOR_CONFIG = {"configs/mnist_study.py": ["--config.sweep.study.n_trials=8"]}
+#: configs: a study of 8 trials (one round of its 8 slots) instead of 32; the tool task's
+#: warm start of 2 steps (tests/test_rl_tools.py runs the whole example).
+FEW_STEPS_FOR_CONFIG = {"configs/mnist_study.py": ["--config.sweep.study.n_trials=8"],
+                        "configs/rl.py:tools": ["--config.warm_start.steps=2"]}
 
 #: Documented paths that another documented command makes: before a command that reads one
 #: runs, the command that makes it runs (with its few-step flags) unless it already has.
@@ -178,6 +181,7 @@ EXPECTED_OUTPUT = {
     "examples/rl_lm.py": r"^held-out mean reward: before=\d\.\d{3} after=\d\.\d{3}",
     "benchmarks/preference.py": r"^dpo copy\s+\d+\.\d{4}\s+\d+\.\d{2}x\s+\d+\.\d{2}$",
     "benchmarks/rl.py": r"^two-state loop\s+\d+\.\d{4}\s+\d+\s+\d+\.\d{2}x$",
+    "benchmarks/rl_tools.py": r"^prefix again\s+\d+\.\d{4}\s+\d+\s+\d+\.\d{2}x$",
     "trainer.data.train_tokenizer": r"^wrote a 1024-token byte-level BPE tokenizer trained on \d+ ",
     "trainer.generate": r"^\[0\] '(<\|bos\|>)?The tests make'\n  -> ['\"].*['\"]$",
     "trainer.harness": r"^docs_choice/acc: \d\.\d{4}$",

@@ -1,13 +1,16 @@
 """An RL run (`configs/rl.py:addition`, tiny) with checkpoints, for the SIGKILL resume test.
 
     RL_ROLLOUT_LOG=rollouts.jsonl python tests/rl_resume_run.py --workdir=W --out=final.npz \
-        [--kill_at=S | --kill_after_save_at=S] [--reward=module:function ...]
+        [--kill_at=S | --kill_after_save_at=S] [--reward=module:function ...] [--tools]
 
 Trains 8 steps under FSDP on 8 host devices, checkpointing every 4 steps and resuming from
 `W/checkpoints` when it holds one; each step's rollouts (prompt and completion ids) are
 appended to `$RL_ROLLOUT_LOG` by a reward (`rl_rewards.recorded`). `--kill_at=S` SIGKILLs
 the process once step S is done (between checkpoints); `--kill_after_save_at=S` once the
 checkpoint of step S is complete. Writes the final state (checkpoint layout) to `--out`.
+`--tools`: the tool-use task (`configs/rl.py:tools`, from scratch) with every rollout's first
+turn a scripted `lookup` call (`tool_setup.calling_policy`), so each rollout holds a tool
+turn whose result its environment draws from the step's and the row's seed.
 """
 
 import argparse
@@ -54,15 +57,28 @@ def main():
   parser.add_argument("--kill_after_save_at", type=int, default=-1)
   parser.add_argument("--reward", action="append", default=[],
                       help="A reward function to add (import path).")
+  parser.add_argument("--tools", action="store_true")
   args = parser.parse_args()
   logging.getLogger().setLevel(logging.INFO)
   for noisy in ("absl", "jax", "orbax"):
     logging.getLogger(noisy).setLevel(logging.WARNING)
+  import tool_setup
+
+  from configs import lm
   from trainer.rl import RLTrainer
   from trainer.rl import data as rl_data
-  config = config_for(os.path.join(args.workdir, "task"))
+  config = (tool_setup.table_config if args.tools else config_for)(
+      os.path.join(args.workdir, "task"))
+  if args.tools:
+    config.update(batch_size=8, num_train_steps=STEPS)
+    config.rl.rewards = (*config.rl.rewards, "rl_rewards:recorded")
+    shape, axes, rules = lm.LAYOUTS["fsdp"]
+    config.strategy.update(name="sharded_data_parallel", mesh_shape=shape, mesh_axes=axes,
+                           logical_axis_rules=rules)
   config.rl.rewards = (*config.rl.rewards, *args.reward)
   trainer = RLTrainer(config)
+  if args.tools:
+    trainer.multi_turn.policy = tool_setup.calling_policy(trainer)
   checkpointer = KillingCheckpointer(os.path.join(args.workdir, "checkpoints"), every_steps=4,
                                      async_save=False)
   checkpointer.kill_at = args.kill_after_save_at

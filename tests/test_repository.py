@@ -63,7 +63,7 @@ def test_jax_stack_dependencies_are_bounded_and_hold_the_installed_versions():
 
 #: The extras that name what a part of the product needs: a module only they install is
 #: imported where that part runs (`test` and `docs` are for checking the product only).
-PRODUCT_EXTRAS = ("eval", "wandb")
+PRODUCT_EXTRAS = ("eval", "wandb", "reasoning")
 
 
 def test_every_third_party_module_the_product_imports_is_declared():

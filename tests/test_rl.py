@@ -162,18 +162,22 @@ def _resume_run(workdir, out, log, *extra):
                         capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.parametrize("task_flags", [(), ("--tools",)], ids=["addition", "tools"])
 def test_a_run_killed_at_and_past_a_checkpoint_redraws_its_rollouts_bitwise_equal(
-    tmp_path):
+    tmp_path, task_flags):
   """SIGKILLed right after the checkpoint of step 4, then 3 steps past it (checkpoints every
   4), rerun each time: every attempt's rollouts are the uninterrupted run's from the step
-  it resumed at, and the final state is the uninterrupted run's, bit for bit."""
+  it resumed at, and the final state is the uninterrupted run's, bit for bit. With tools,
+  each rollout's tool turn (its environment seeded from the step and the row) is redrawn
+  too."""
   import json
   import signal
 
   def rollouts(log):
     return [json.loads(line) for line in open(log)]
 
-  straight = _resume_run(tmp_path / "straight", tmp_path / "straight.npz", tmp_path / "s.log")
+  straight = _resume_run(tmp_path / "straight", tmp_path / "straight.npz", tmp_path / "s.log",
+                         *task_flags)
   assert straight.returncode == 0, straight.stderr[-3000:]
   want = rollouts(tmp_path / "s.log")
   assert len(want) == 8 and len({json.dumps(r) for r in want}) == 8  # A new draw each step.
@@ -181,7 +185,7 @@ def test_a_run_killed_at_and_past_a_checkpoint_redraws_its_rollouts_bitwise_equa
   for attempt, (kill, kill_at, resumed_at) in enumerate(
       [("kill_after_save_at", 4, 0), ("kill_at", 7, 4), ("kill_at", -1, 4)]):
     log = tmp_path / f"attempt{attempt}.log"
-    run = _resume_run(work, out, log, f"--{kill}={kill_at}")
+    run = _resume_run(work, out, log, f"--{kill}={kill_at}", *task_flags)
     if kill_at > 0:
       assert run.returncode == -signal.SIGKILL, run.stderr[-3000:]
     else:

@@ -153,29 +153,9 @@ def save_model(directory: pathlib.Path) -> pathlib.Path:
 
 
 def script_policy(script):
-  """A scripted assistant for `trainer.rl.multi_turn.MultiTurn(policy=...)`: row r's k-th
-  turn is `script[r][k]` (token ids), whatever the logits; past a turn's end, its last id."""
-  import jax.numpy as jnp
-  import numpy as np
-
-  rows, turns = len(script), max(len(s) for s in script)
-  width = max(len(t) for s in script for t in s)
-  table = np.zeros((rows, turns, width), np.int32)
-  for r, row in enumerate(script):
-    for k, ids in enumerate(row):
-      table[r, k, :len(ids)], table[r, k, len(ids):] = ids, ids[-1]
-  table = jnp.asarray(table)
-
-  def policy(logits, keys, t, new, tool):
-    del logits, keys, new
-    steps = tool.shape[1]
-    ends = tool[:, :-1] & ~tool[:, 1:]  # Tool turns finished before position t.
-    turn = jnp.sum(ends, axis=1) + tool[:, -1]
-    last = jnp.max(jnp.where(tool, jnp.arange(1, steps + 1)[None], 0), axis=1)
-    offset = jnp.clip(t - last, 0, width - 1)
-    return table[jnp.arange(rows), jnp.minimum(turn, turns - 1), offset]
-
-  return policy
+  """`trainer.rl.multi_turn.scripted`: row r's k-th turn is `script[r][k]`."""
+  from trainer.rl.multi_turn import scripted
+  return scripted(script)
 
 
 def calling_policy(trainer, key: str = "ash"):
@@ -196,3 +176,21 @@ def calling_policy(trainer, key: str = "ash"):
     return jnp.where(~jnp.any(tool, axis=1), scripted(logits, keys, t, new, tool), sampled)
 
   return policy
+
+
+def table_config(task_dir: str):
+  """`configs/rl.py:tools` from scratch (no warm start), small: the table task's files in
+  `task_dir`, 2 prompts x G=2 a step, single_device."""
+  import sys
+  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
+  import tool_tasks
+
+  from configs import rl
+  tokenizer, prompts, _ = tool_tasks.write_task(task_dir, demonstrations=1)
+  config = rl.get_config("tools")
+  del config["warm_start"]
+  config.data.update(sources=(prompts,), eval_sources=(prompts,), tokenizer=tokenizer,
+                     workers=0, lanes=1)
+  config.update(batch_size=2, eval_batch_size=2, num_train_steps=2, log_every_steps=1000)
+  config.rl.update(num_generations=2, max_completion_length=64, log_completions=0)
+  return config

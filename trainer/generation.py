@@ -115,7 +115,7 @@ def logits_of(outputs: Any) -> jax.Array:
 def choose(logits: jax.Array, keys: jax.Array, step: jax.Array,
            sampling: Sampling) -> jax.Array:
   """Each row's next token from `logits [rows, vocab]` (`Sampling`'s rules; `keys [rows,
-  2]` the rows' raw keys, `step` folded into them)."""
+  2]` the rows' raw keys, `step` folded into them: one for all rows, or one per row)."""
   logits = logits.astype(jnp.float32)
   if sampling.temperature == 0:
     return jnp.argmax(logits, axis=-1).astype(jnp.int32)
@@ -130,8 +130,9 @@ def choose(logits: jax.Array, keys: jax.Array, step: jax.Array,
     kept = before < sampling.top_p  # The first token always.
     threshold = jnp.min(jnp.where(kept, ordered, jnp.inf), axis=-1, keepdims=True)
     logits = jnp.where(logits < threshold, -jnp.inf, logits)
-  draw = jax.vmap(lambda key, row: jax.random.categorical(jax.random.fold_in(key, step), row))
-  return draw(keys, logits).astype(jnp.int32)
+  steps = jnp.broadcast_to(jnp.asarray(step, jnp.int32), keys.shape[:1])  # Or one per row.
+  draw = jax.vmap(lambda key, at, row: jax.random.categorical(jax.random.fold_in(key, at), row))
+  return draw(keys, steps, logits).astype(jnp.int32)
 
 
 class Generator:

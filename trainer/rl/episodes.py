@@ -161,12 +161,15 @@ class Episodes:
       results.append({"role": "tool", "name": function["name"], "content": text})
     return results
 
-  def turn(self, handle: int, rows: Sequence[int], completions: np.ndarray, end: int
+  def turn(self, handle: int, rows: Sequence[int], completions: np.ndarray, ends
            ) -> dict[int, list[int] | None]:
-    """For each of `rows`, whose assistant turn ended at completion position `end`: the
-    tool turn's ids to append, or None where the rollout ends."""
+    """For each of `rows`, whose assistant turn ended at completion position `ends[row]`
+    (or `ends`, one for all): the tool turn's ids to append, or None where the rollout
+    ends."""
     out = {}
+    ends = np.broadcast_to(np.asarray(ends), (len(completions),))
     for row in rows:
+      end = int(ends[row])
       episode = self._open[handle][row]
       if episode.finished:  # A padding row.
         out[row] = None

@@ -87,14 +87,15 @@ class MultiTurn:
         step, rows)
     return {"tokens": tokens, "lengths": jnp.maximum(lengths, 1), HANDLE: handle}, ok
 
-  def _host_turn(self, handle, ended, new, t):
+  def _host_turn(self, handle, ended, new, ends):
     rows = np.flatnonzero(np.asarray(ended))
     steps = new.shape[1]
     block = np.full((new.shape[0], steps), self.sampling.pad_id, np.int32)
     length = np.zeros((new.shape[0],), np.int32)
     finish = np.zeros((new.shape[0],), np.bool_)
     if len(rows):
-      for row, ids in self.episodes.turn(int(handle), rows, np.asarray(new), int(t)).items():
+      for row, ids in self.episodes.turn(int(handle), rows, np.asarray(new),
+                                         np.asarray(ends)).items():
         if ids is None:
           finish[row] = True
         else:
@@ -102,6 +103,16 @@ class MultiTurn:
     return block, length, finish
 
   # -- The loop ----------------------------------------------------------------------------
+
+  @staticmethod
+  def widths(steps: int) -> tuple[int, ...]:
+    """The tool-turn widths the loop feeds in one model call (powers of two from 8, and
+    the budget): a tool turn runs through the model in one call of the smallest that
+    holds it, with the token that ended the turn before it; 0: that token alone."""
+    out = [0]
+    while (out[-1] or 4) * 2 < steps:
+      out.append((out[-1] or 4) * 2)
+    return (*out, steps)
 
   def program(self):
     """`program(state, batch) -> (new, counts, stopped, tool, ok)` for a batch of
@@ -114,16 +125,21 @@ class MultiTurn:
     steps = sampling.max_new_tokens
     stop = jnp.asarray(sampling.stop_tokens or (-1,), jnp.int32)
     pad = sampling.pad_id
+    widths = self.widths(steps)
 
-    def pick(logits, keys, t):
-      return choose(logits[:, :vocab] if vocab is not None else logits, keys, t, sampling)
+    def pick(logits, keys, at):
+      return choose(logits[:, :vocab] if vocab is not None else logits, keys, at, sampling)
 
     def program(state, batch):
       tokens, lengths, keys, handle = (batch["tokens"], batch["lengths"], batch["keys"],
                                        batch[HANDLE])
       rows, width = tokens.shape
-      slots = width + steps
+      # A call of 1 + w tokens writes them all at a row's cache index; what lies past the
+      # row's own tokens is never attended (a query sees the slots at or before it) and is
+      # overwritten, but must fit: the slots leave room for the widest call.
+      slots = width + steps + widths[-1] + 1
       rngs = {"params": jax.random.PRNGKey(0), "dropout": jax.random.PRNGKey(0)}
+      every = jnp.arange(rows)
 
       def call(cache, inputs, positions):
         outputs, cache = mv.decode(state.params, state.model_state, cache,
@@ -139,48 +155,54 @@ class MultiTurn:
                 jax.ShapeDtypeStruct((rows,), jnp.int32),
                 jax.ShapeDtypeStruct((rows,), jnp.bool_))
 
-      def host(new, ended, t):
+      def host(new, tool, ended, at):  # Where a turn ends: its tool turn, appended.
         (block, length, finish), ok = self.host_calls.call(self._host_turn, shapes, handle,
-                                                           ended, new, t)
-        return block, length, finish, ok
+                                                           ended, new, at)
+        length = jnp.where(ended & ~finish, length, 0)
+        span = at[:, None] + 1 + jnp.arange(steps)[None]  # The tool turn's positions.
+        inside = jnp.arange(steps)[None] < length[:, None]
+        new = new.at[every[:, None], span].set(jnp.where(inside, block, pad), mode="drop")
+        tool = tool.at[every[:, None], span].set(inside, mode="drop")
+        return new, tool, block, length, finish, ok
 
-      def no_turn(new, ended, t):
-        del new, ended, t
-        return (jnp.full((rows, steps), pad, jnp.int32), jnp.zeros((rows,), jnp.int32),
-                jnp.zeros((rows,), jnp.bool_), jnp.bool_(True))
+      def no_turn(new, tool, ended, at):
+        del ended, at
+        return (new, tool, jnp.full((rows, steps), pad, jnp.int32),
+                jnp.zeros((rows,), jnp.int32), jnp.zeros((rows,), jnp.bool_), jnp.bool_(True))
 
-      def cond(carry):
-        return (carry["t"] < steps) & ~jnp.all(carry["done"])
+      def feed(w):  # The chosen token, then up to w of a tool turn's, in one call.
+        def run(cache, chosen, block, length, at):
+          inputs = jnp.concatenate([chosen[:, None], block[:, :w]], axis=1)
+          where = (lengths + at)[:, None] + jnp.arange(1 + w, dtype=jnp.int32)[None]
+          out, cache = call(cache, inputs, where)
+          cache = kv_cache.set_index(cache, lengths + at + 1 + length)
+          return out[every, jnp.minimum(length, w)], cache
+        return run
+
+      def cond(c):
+        return jnp.any(~c["done"] & (c["at"] < steps))
 
       def body(c):
-        t = c["t"]
-        forcing = (c["at"] < c["block_length"]) & ~c["done"]
-        forced = jnp.take_along_axis(c["block"], jnp.minimum(c["at"], steps - 1)[:, None],
-                                     axis=1)[:, 0]
-        sampled = (pick(c["logits"], keys, t) if self.policy is None
-                   else self.policy(c["logits"], keys, t, c["new"], c["tool"]))
-        chosen = jnp.where(c["done"], pad, jnp.where(forcing, forced, sampled))
-        new = c["new"].at[:, t].set(chosen)
-        tool = c["tool"].at[:, t].set(forcing)
-        ended = ~c["done"] & ~forcing & jnp.isin(chosen, stop)
-        block, length, finish, ok = jax.lax.cond(jnp.any(ended), host, no_turn, new, ended, t)
-        turn = ended & ~finish
-        done = c["done"] | (ended & finish)
-        count = jnp.where(ended & finish, t + 1, c["count"])
-        logits, cache = call(c["cache"], chosen[:, None], (lengths + t)[:, None])
-        return dict(
-            t=t + 1, logits=logits[:, 0], cache=cache, new=new, tool=tool, done=done,
-            count=count, ok=c["ok"] & ok,
-            block=jnp.where(turn[:, None], block, c["block"]),
-            block_length=jnp.where(turn, length, c["block_length"]),
-            at=jnp.where(turn, 0, c["at"] + forcing.astype(jnp.int32)))
+        at = c["at"]  # Each row's next completion position.
+        live = ~c["done"] & (at < steps)
+        sampled = (pick(c["logits"], keys, at) if self.policy is None
+                   else self.policy(c["logits"], keys, at, c["new"], c["tool"]))
+        chosen = jnp.where(live, sampled, pad)
+        new = c["new"].at[every, at].set(chosen, mode="drop")
+        ended = live & jnp.isin(chosen, stop)
+        new, tool, block, length, finish, ok = jax.lax.cond(
+            jnp.any(ended), host, no_turn, new, c["tool"], ended, at)
+        branch = jnp.sum(jnp.asarray(widths[:-1]) < jnp.max(length)).astype(jnp.int32)
+        logits, cache = jax.lax.switch(branch, [feed(w) for w in widths], c["cache"], chosen,
+                                       block, length, at)
+        return dict(logits=logits, cache=cache, new=new, tool=tool,
+                    done=c["done"] | (ended & finish),
+                    count=jnp.where(ended & finish, at + 1, c["count"]), ok=c["ok"] & ok,
+                    at=jnp.where(live, at + 1 + length, at))
 
-      carry = dict(t=jnp.int32(0), logits=last, cache=cache,
-                   new=jnp.full((rows, steps), pad, jnp.int32),
+      carry = dict(logits=last, cache=cache, new=jnp.full((rows, steps), pad, jnp.int32),
                    tool=jnp.zeros((rows, steps), jnp.bool_), done=jnp.zeros((rows,), jnp.bool_),
                    count=jnp.full((rows,), steps, jnp.int32), ok=jnp.bool_(True),
-                   block=jnp.full((rows, steps), pad, jnp.int32),
-                   block_length=jnp.zeros((rows,), jnp.int32),
                    at=jnp.zeros((rows,), jnp.int32))
       out = jax.lax.while_loop(cond, body, carry)
       return out["new"], out["count"], out["done"], out["tool"], out["ok"]
@@ -247,3 +269,28 @@ def build(trainer) -> MultiTurn:
         "Llama 3's JSON).")
   return MultiTurn(episodes, trainer.generator, trainer.sampling,
                    trainer.compiled.host_calls)
+
+
+def scripted(script: list[list[list[int]]]):
+  """A scripted assistant for `MultiTurn(policy=...)` (tests and benchmarks): row r's
+  k-th turn is `script[r][k]` (token ids, its last the end-of-turn token), whatever the
+  logits; a row past its script repeats its last turn; rows beyond the script's reuse it
+  (row r takes `script[r % len(script)]`)."""
+  rows, turns = len(script), max(len(s) for s in script)
+  width = max(len(t) for s in script for t in s)
+  table = np.zeros((rows, turns, width), np.int32)
+  for r, row in enumerate(script):
+    for k, ids in enumerate(row):
+      table[r, k, :len(ids)], table[r, k, len(ids):] = ids, ids[-1]
+  table = jnp.asarray(table)
+
+  def policy(logits, keys, t, new, tool):
+    del logits, keys, new
+    steps = tool.shape[1]
+    ends = tool[:, :-1] & ~tool[:, 1:]  # Tool turns finished before position t.
+    turn = jnp.sum(ends, axis=1) + tool[:, -1]
+    last = jnp.max(jnp.where(tool, jnp.arange(1, steps + 1)[None], 0), axis=1)
+    offset = jnp.clip(t - last, 0, width - 1)
+    return table[jnp.arange(tool.shape[0]) % rows, jnp.minimum(turn, turns - 1), offset]
+
+  return policy

@@ -30,6 +30,7 @@ trainer is built, before anything compiles.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import enum
 import inspect
@@ -316,9 +317,16 @@ def call(functions: Mapping[str, Callable], schemas: Mapping[str, dict], name: s
   if name not in functions:
     return str({"error": f"Tool {name} not found."}), False
   try:
-    return str(functions[name](**typed(arguments, schemas.get(name)))), True
+    result = functions[name](**typed(arguments, schemas.get(name)))
+    if inspect.isawaitable(result):  # An async tool (as TRL takes them): run to its end.
+      result = asyncio.run(_awaited(result))
+    return str(result), True
   except Exception as e:  # A tool's failure is the model's to see, not the run's.
     return str({"error": str(e)}), False
+
+
+async def _awaited(awaitable):
+  return await awaitable
 
 
 def typed(arguments: Mapping[str, Any], schema: dict | None) -> dict[str, Any]:

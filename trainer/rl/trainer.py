@@ -116,7 +116,7 @@ class RLTrainer(LanguageModelTrainer):
     self.multi_turn = (multi_turn_lib.build(self) if self.toolbox is not None
                        and stop is not None else None)
     self.metric_names = metric_names(self.rewards, kl=self.rl.beta > 0,
-                                     tools=self.toolbox is not None)
+                                     tools=self.multi_turn is not None)
     self._metrics = metrics_lib.collection_of(
         {**{n: NanAverage for n in self.metric_names if n != "on_policy_gap"},
          "on_policy_gap": clu_metrics.LastValue})
@@ -285,6 +285,8 @@ class RLTrainer(LanguageModelTrainer):
     rl, strategy = self.rl, self.strategy
     rows = self.config.batch_size * rl.num_generations
     slots = rl.max_prompt_length + rl.max_completion_length
+    if self.toolbox is not None:  # Room for the widest tool turn (`trainer.rl.multi_turn`).
+      slots += multi_turn_lib.MultiTurn.widths(rl.max_completion_length)[-1] + 1
     if isinstance(strategy, Ensemble):  # One member's cache, times the members a device holds.
       member = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype),
                             abstract_state)
