@@ -4,7 +4,8 @@ replaced by the same script), on a Qwen-style tokenizer saved by `transformers` 
 own Qwen 2.5 template. Compared: the prompt rendered with the tools, the completion ids
 with the tool turns, the tool mask (as the loss weights), the calls and failures, the
 rewards' advantages (the environment's `get_reward` among them), and the loss and every
-weight's gradient (our model loaded from TRL's, under single_device or FSDP)."""
+weight's gradient (our model loaded from TRL's: a tiny Qwen2 with the Qwen template, a
+tiny Llama with the Llama one; under single_device or FSDP)."""
 
 import numpy as np
 import pytest
@@ -17,7 +18,8 @@ BUDGET = 96
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
   root = tmp_path_factory.mktemp("tools_trl")
-  directories = {kind: ts.save_model(ts.save(kind, root / kind)) for kind in ("qwen", "llama")}
+  directories = {kind: ts.save_model(ts.save(kind, root / kind), family)  # Each family's own.
+                 for kind, family in (("qwen", "qwen2"), ("llama", "llama"))}
   keys = ("ash", "elm", "oak", "fir")
   return directories, {1: ts.write_records(root / "records.jsonl", keys=keys),
                      2: ts.write_records(root / "twice.jsonl", keys=keys * 2)}

@@ -135,16 +135,17 @@ def answered(completions, answer, **kwargs):
   return out
 
 
-def save_model(directory: pathlib.Path) -> pathlib.Path:
-  """A tiny random `transformers` Llama over the tokenizer in `directory`, saved beside it
-  (what TRL's trainer loads)."""
+def save_model(directory: pathlib.Path, family: str = "llama") -> pathlib.Path:
+  """A tiny random `transformers` Llama (or Qwen2) over the tokenizer in `directory`,
+  saved beside it (what TRL's trainer loads)."""
   import torch
   import transformers
   from tokenizers import Tokenizer
 
   torch.manual_seed(0)
   vocab = Tokenizer.from_file(str(directory / "tokenizer.json")).get_vocab_size()
-  config = transformers.LlamaConfig(
+  kind = transformers.Qwen2Config if family == "qwen2" else transformers.LlamaConfig
+  config = kind(
       vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
       num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=1024,
       tie_word_embeddings=False)
