@@ -26,6 +26,7 @@ import numpy as np
 
 from trainer.rl import tool_calls
 from trainer.rl import tools as tools_lib
+from trainer.rl.tools import Toolbox
 
 
 @dataclasses.dataclass
@@ -54,7 +55,7 @@ class Episodes:
     prompt_field: `config.rl.prompt_field`.
   """
 
-  def __init__(self, toolbox: tools_lib.Toolbox, tokenizer, *, max_iterations: int,
+  def __init__(self, toolbox: Toolbox, tokenizer, *, max_iterations: int,
                budget: int, max_prompt_length: int, prompt_field: str = "prompt"):
     self.toolbox, self.tokenizer = toolbox, tokenizer
     self.template = tokenizer.chat_template()

@@ -1,19 +1,21 @@
 """Multi-turn rollouts with tools, each turn continued from the key/value cache, inside
-the train step.
+the train step::
 
     turns = MultiTurn(episodes, generator, sampling, host_calls)
-    prompts = turns.prompts(records, rows, step)        # host: environments, templates
+    prompts, ok = turns.prompts(records, group=g, step=step, rows=rows)  # On the host.
     out = turns.program()(state, {**prompts, "keys": keys})
 
 The loop is the `Generator`'s, under the training layout, with one more source of
-tokens. At each completion position every row feeds one token through the model's
-cache: a token it samples, or the next token of a tool turn the host appended
-(`forced`). When rows sample their end-of-turn token (EOS), one host call
-(`jax.pure_callback` through `trainer.step.host_calls`, under `lax.cond`, so a position
-where no turn ends costs nothing) hands their turns to `trainer.rl.episodes.Episodes`,
-which calls their tools and answers each row's tool-turn tokens or the end of its
-rollout. Only new tokens run through the model: the prompt and every earlier turn stay
-in the cache. The loop ends at `max_completion_length` or when every rollout has ended.
+tokens. At each step every live row samples a token at its own completion position and
+feeds it through the model's cache. When rows sample their end-of-turn token (EOS), one
+host call (`jax.pure_callback` through `trainer.step.host_calls`, under `lax.cond`, so a
+step where no turn ends makes no call) hands their turns to
+`trainer.rl.episodes.Episodes`, which calls their tools and answers each row's tool-turn
+tokens or the end of its rollout. A tool turn runs through the model in that same step,
+in one call with the token that ended the turn (the narrowest of `MultiTurn.widths` that
+holds it), and the row's position moves past it. Only new tokens run through the model:
+the prompt and every earlier turn stay in the cache. The loop ends when every rollout has
+ended or reached `max_completion_length`.
 
 The outputs: each row's completion (its own turns, the tool turns, then padding), its
 length, whether it ended by itself, the tool mask (1 on tool-turn tokens, which the
