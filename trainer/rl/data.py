@@ -109,8 +109,8 @@ def from_config(config: ml_collections.ConfigDict, rows: slice = slice(None),
   resolved = lm.check_config(run, schemas=False)
   tokenizer = lm.tokenizer_of(config)
   from trainer.rl import tools as tools_lib
-  toolbox = tools_lib.load(tuple(config.rl.get("tools", ())),
-                           config.rl.get("environment") or None)
+  toolbox = tools_lib.load(tuple(config.rl.tools),
+                           config.rl.environment or None)
   return lm.Corpus(resolved, tokenizer, length=config.seq_len, batch_size=run.batch_size,
                    rows=rows, lanes=run.data.lanes, bad_records=data.bad_records,
                    shuffle_files=run.data.shuffle_files, seed=config.seed,

@@ -81,7 +81,7 @@ class RL:
                          f"the train step, and the key/value cache cannot be split over the "
                          f"{axis!r} axis; it runs under single_device or "
                          f"sharded_data_parallel with data, fsdp and tensor axes.")
-    iterations = spec.get("max_tool_calling_iterations")
+    iterations = spec.max_tool_calling_iterations
     if iterations is None:
       iterations = sys.maxsize
     elif isinstance(iterations, bool) or not isinstance(iterations, int) or iterations < 0:

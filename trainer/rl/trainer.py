@@ -89,8 +89,8 @@ class RLTrainer(LanguageModelTrainer):
 
   def __init__(self, config: ml_collections.ConfigDict, **kwargs):
     self.rl = RL.from_config(config)  # Refused before any compute.
-    self.toolbox = tools_lib.load(tuple(config.rl.get("tools", ())),
-                                  config.rl.get("environment") or None)
+    self.toolbox = tools_lib.load(tuple(config.rl.tools),
+                                  config.rl.environment or None)
     rewarded = self.toolbox is not None and self.toolbox.rewarded
     self.rewards = (rewards_lib.load(tuple(config.rl.rewards), tuple(config.rl.reward_weights))
                     if config.rl.rewards or not rewarded else [])
