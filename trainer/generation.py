@@ -135,6 +135,27 @@ def choose(logits: jax.Array, keys: jax.Array, step: jax.Array,
   return draw(keys, steps, logits).astype(jnp.int32)
 
 
+def prefill(model_variables, state: PyTree, tokens: jax.Array, lengths: jax.Array, *,
+            slots: int):
+  """The prompts' prefill into a cache of `slots` positions: `(call, last, cache)`, where
+  `call(cache, inputs, positions) -> (logits, cache)` runs more tokens through the cache,
+  `last [rows, vocab]` is each row's logits at its last prompt token, and the cache's
+  index is each row's length (right-padded `tokens`, `lengths` their own)."""
+  rows, width = tokens.shape
+  rngs = {"params": jax.random.PRNGKey(0), "dropout": jax.random.PRNGKey(0)}
+
+  def call(cache, inputs, positions):
+    outputs, cache = model_variables.decode(state.params, state.model_state, cache,
+                                            ((inputs,), {"positions": positions}),
+                                            rngs=rngs, length=slots)
+    return logits_of(outputs), cache
+
+  positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (rows, width))
+  logits, cache = call(None, tokens, positions)
+  last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
+  return call, last, kv_cache.set_index(cache, lengths)
+
+
 class Generator:
   """Generates from a state under the strategy it was trained with (module docstring).
 
@@ -285,19 +306,7 @@ class Generator:
     def program(state, batch):
       tokens, lengths, keys = batch["tokens"], batch["lengths"], batch["keys"]
       rows, length = tokens.shape
-      slots = length + steps
-      rngs = {"params": jax.random.PRNGKey(0), "dropout": jax.random.PRNGKey(0)}
-
-      def call(cache, inputs, positions):
-        outputs, cache = mv.decode(state.params, state.model_state, cache,
-                                   ((inputs,), {"positions": positions}), rngs=rngs,
-                                   length=slots)
-        return logits_of(outputs), cache
-
-      positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (rows, length))
-      logits, cache = call(None, tokens, positions)
-      last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
-      cache = kv_cache.set_index(cache, lengths)
+      call, last, cache = prefill(mv, state, tokens, lengths, slots=length + steps)
       first = pick(last, keys, 0)
       new = jnp.full((rows, steps), sampling.pad_id, jnp.int32).at[:, 0].set(first)
       done = jnp.isin(first, stop)

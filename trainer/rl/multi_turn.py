@@ -121,7 +121,7 @@ class MultiTurn:
     right-padded prompt `tokens`, their `lengths`, the rows' raw `keys` and the episodes'
     `handle` (`prompts`)."""
     from models import kv_cache
-    from trainer.generation import choose, logits_of
+    from trainer.generation import choose, prefill
     mv, vocab, sampling = self.generator.model_variables, self.generator.vocab_size, (
         self.sampling)
     steps = sampling.max_new_tokens
@@ -139,20 +139,9 @@ class MultiTurn:
       # A call of 1 + w tokens writes them all at a row's cache index; what lies past the
       # row's own tokens is never attended (a query sees the slots at or before it) and is
       # overwritten, but must fit: the slots leave room for the widest call.
-      slots = width + steps + widths[-1] + 1
-      rngs = {"params": jax.random.PRNGKey(0), "dropout": jax.random.PRNGKey(0)}
+      call, last, cache = prefill(mv, state, tokens, lengths,
+                                  slots=width + steps + widths[-1] + 1)
       every = jnp.arange(rows)
-
-      def call(cache, inputs, positions):
-        outputs, cache = mv.decode(state.params, state.model_state, cache,
-                                   ((inputs,), {"positions": positions}), rngs=rngs,
-                                   length=slots)
-        return logits_of(outputs), cache
-
-      positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (rows, width))
-      logits, cache = call(None, tokens, positions)
-      last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
-      cache = kv_cache.set_index(cache, lengths)
       shapes = (jax.ShapeDtypeStruct((rows, steps), jnp.int32),
                 jax.ShapeDtypeStruct((rows,), jnp.int32),
                 jax.ShapeDtypeStruct((rows,), jnp.bool_))
