@@ -74,26 +74,28 @@ def write_jsonl(path: pathlib.Path, records: list[dict], lines: list[str] = ()) 
   return path
 
 
-def save_model(family: str, directory: pathlib.Path, *, seed: int = 0):
-  """A tiny random `transformers` causal LM of `family` ("llama" or "gpt2"), its weights
-  jittered so that biases and norm scales matter, saved with the tokenizer's files beside
-  it; returns the model in eval mode."""
+def save_model(family: str, directory: pathlib.Path, *, seed: int = 0, hidden: int = 32,
+               layers: int = 2, jitter: float = 0.02):
+  """A tiny random `transformers` causal LM of `family` ("llama", "qwen2" or "gpt2") of
+  width `hidden` and `layers` layers, its weights jittered (normal noise of std `jitter`)
+  so that biases and norm scales matter, saved with the tokenizer's files beside it;
+  returns the model in eval mode."""
   import torch
   import transformers
 
   torch.manual_seed(seed)
-  if family == "llama":
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-        tie_word_embeddings=False)
+  if family in ("llama", "qwen2"):
+    kind = transformers.LlamaConfig if family == "llama" else transformers.Qwen2Config
+    config = kind(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden,
+                  num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=128, tie_word_embeddings=False)
   else:
-    config = transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4,
-                                     n_positions=128)
+    config = transformers.GPT2Config(vocab_size=VOCAB, n_embd=hidden, n_layer=layers,
+                                     n_head=4, n_positions=128)
   model = transformers.AutoModelForCausalLM.from_config(config).eval()
   with torch.no_grad():
     for p in model.parameters():
-      p.add_(torch.randn_like(p) * 0.02)
+      p.add_(torch.randn_like(p) * jitter)
   model.save_pretrained(str(directory))
-  write_tokenizer(directory, add_bos=family == "llama")
+  write_tokenizer(directory, add_bos=family != "gpt2")
   return model

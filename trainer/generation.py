@@ -135,6 +135,29 @@ def choose(logits: jax.Array, keys: jax.Array, step: jax.Array,
   return draw(keys, steps, logits).astype(jnp.int32)
 
 
+def joined(prompts: jax.Array, lengths: jax.Array, new: jax.Array, counts: jax.Array,
+           pad_id: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Each row's prompt (`[rows, width]`, right-padded, `lengths` real) then its completion
+  (`new[:, :counts]`) then `pad_id`, as one row of `width + new.shape[1]` tokens.
+
+  Returns:
+    the tokens; each next-token target's weight (1 where the target is a completion
+    token, `[rows, width + steps - 1]`); and each position's index into `new`.
+  """
+  rows, width = prompts.shape
+  steps = new.shape[1]
+  position = jnp.arange(width + steps)[None]
+  at = jnp.clip(position - lengths[:, None], 0, steps - 1)
+  tokens = jnp.where(position < lengths[:, None], jnp.take_along_axis(
+      prompts, jnp.clip(position, 0, width - 1), axis=1), jnp.where(
+          position - lengths[:, None] < counts[:, None], jnp.take_along_axis(new, at, axis=1),
+          pad_id))
+  target = position[:, 1:]
+  weights = ((target >= lengths[:, None]) & (target < (lengths + counts)[:, None])).astype(
+      jnp.float32)
+  return tokens, weights, at
+
+
 def prefill(model_variables, state: PyTree, tokens: jax.Array, lengths: jax.Array, *,
             slots: int):
   """The prompts' prefill into a cache of `slots` positions: `(call, last, cache)`, where
@@ -293,7 +316,10 @@ class Generator:
 
   def program(self, sampling: Sampling):
     """`program(state, batch) -> (new tokens [rows, max_new_tokens], counts, stopped)` for
-    a batch of right-padded `tokens`, their `lengths` and the rows' raw `keys`."""
+    a batch of right-padded `tokens`, their `lengths` and the rows' raw `keys`; with a
+    scalar `active` (a traced bool), False draws the first token only (the loop, whose
+    collectives cannot sit in a `lax.cond` branch, runs no step: the caller discards the
+    tokens)."""
     mv, vocab = self.model_variables, self.vocab_size
     steps = sampling.max_new_tokens
     stop = jnp.asarray(sampling.stop_tokens or (-1,), jnp.int32)
@@ -305,6 +331,7 @@ class Generator:
 
     def program(state, batch):
       tokens, lengths, keys = batch["tokens"], batch["lengths"], batch["keys"]
+      active = batch.get("active", True)
       rows, length = tokens.shape
       call, last, cache = prefill(mv, state, tokens, lengths, slots=length + steps)
       first = pick(last, keys, 0)
@@ -313,7 +340,7 @@ class Generator:
 
       def cond(carry):
         t, _, _, _, done = carry
-        return (t < steps) & ~jnp.all(done)
+        return (t < steps) & ~jnp.all(done) & active
 
       def body(carry):
         t, token, cache, new, done = carry

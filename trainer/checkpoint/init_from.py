@@ -428,6 +428,51 @@ def _reader(plan_: Plan, collection: str, path: str, *, num_members: int,
   return sliced
 
 
+def _whole(plan_: Plan) -> Flat | None:
+  """A source that cannot read slices, read in one call as a whole (None: it reads
+  slices)."""
+  if plan_.source.read_slice is not None:
+    return None
+  return plan_.source.read({c: sorted(set(m.values())) for c, m in plan_.mapped.items() if m})
+
+
+def flat_weights(tree: PyTree) -> dict[str, Any]:
+  """One model's abstract parameters as the flat `{path: ShapeDtypeStruct}` a `plan`
+  matches (a quantized weight one entry)."""
+  return _as_weights(tree)
+
+
+def placed(plan_: Plan, collection: str, tree: PyTree, targets: PyTree, *,
+           num_members: int, whole: Flat | None | bool = False) -> PyTree:
+  """`tree` (placed arrays of `collection`) with the variables `plan_` maps read from its
+  source, each device's part on its own (`jax.make_array_from_callback`, a quantized
+  weight quantized from the blocks that cover the part); the others keep their values.
+
+  Args:
+    targets: the arrays' checkpoint targets (shapes and shardings).
+    whole: the source read whole (`False`: read it here where it cannot read slices).
+  """
+  from trainer.step.quantized_base import is_quantized, quantized_from
+
+  if whole is False:
+    whole = _whole(plan_)
+
+  def leaf(path, x, t):
+    name = _name(path)
+    if is_quantized(x):  # Quantized here, a shard's whole blocks at a time.
+      if name not in plan_.mapped.get(collection, {}):
+        return jax.tree.map(lambda y, u: leaf(path, y, u), x, t)
+      read = _reader(plan_, collection, name, num_members=num_members, whole=whole)
+      return quantized_from(read, x, t)
+    if name in plan_.mapped.get(collection, {}):
+      read = _reader(plan_, collection, name, num_members=num_members, whole=whole)
+      return jax.make_array_from_callback(
+          t.shape, t.sharding, lambda index: np.asarray(read(index), dtype=t.dtype))
+    host = to_host(x)  # A fresh variable keeps its initial value.
+    return jax.make_array_from_callback(t.shape, t.sharding, lambda index: host[index])
+  return jax.tree_util.tree_map_with_path(leaf, tree, targets, is_leaf=is_quantized)
+
+
 def start_from(plan_: Plan, strategy: Any, state: PyTree, abstract_state: PyTree,
                rebuild: Callable[[PyTree, PyTree, jax.Array], PyTree], *,
                linen: bool) -> PyTree:
@@ -444,31 +489,13 @@ def start_from(plan_: Plan, strategy: Any, state: PyTree, abstract_state: PyTree
     rebuild: `(params, model_state, rng) -> a fresh state of one model` (the optimizer's
       and the recipe's state start again from the loaded values).
   """
-  from trainer.step.quantized_base import is_quantized, quantized_from
-
   num_members = strategy.checkpoint_layout()["num_members"]
   target = strategy.checkpoint_target(abstract_state)
   current = strategy.checkpoint_state(state)
-  whole = None  # A source that cannot read slices is read in one call, as a whole.
-  if plan_.source.read_slice is None:
-    whole = plan_.source.read({c: sorted(set(m.values())) for c, m in plan_.mapped.items()
-                               if m})
+  whole = _whole(plan_)
 
   def place(collection: str, tree: PyTree, targets: PyTree) -> PyTree:
-    def leaf(path, x, t):
-      name = _name(path)
-      if is_quantized(x):  # Quantized here, a shard's whole blocks at a time.
-        if name not in plan_.mapped.get(collection, {}):
-          return jax.tree.map(lambda y, u: leaf(path, y, u), x, t)
-        read = _reader(plan_, collection, name, num_members=num_members, whole=whole)
-        return quantized_from(read, x, t)
-      if name in plan_.mapped.get(collection, {}):
-        read = _reader(plan_, collection, name, num_members=num_members, whole=whole)
-        return jax.make_array_from_callback(
-            t.shape, t.sharding, lambda index: np.asarray(read(index), dtype=t.dtype))
-      host = to_host(x)  # A fresh variable keeps its initial value.
-      return jax.make_array_from_callback(t.shape, t.sharding, lambda index: host[index])
-    return jax.tree_util.tree_map_with_path(leaf, tree, targets, is_leaf=is_quantized)
+    return placed(plan_, collection, tree, targets, num_members=num_members, whole=whole)
 
   params = place("params", current.params, target.params)
   if linen:

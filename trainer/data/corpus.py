@@ -65,7 +65,7 @@ BAD_RECORDS = ("stop", "skip")
 #: The kinds of bad record, as counted under `bad_records="skip"`.
 BAD_KINDS = ("malformed", "missing_field", "not_utf8", "empty", "schema", "missing_chat",
              "missing_pair", "empty_response", "too_long", "missing_prompt",
-             "record_too_long")
+             "record_too_long", "missing_completion")
 
 
 @dataclasses.dataclass(frozen=True)

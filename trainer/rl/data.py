@@ -100,26 +100,36 @@ def from_config(config: ml_collections.ConfigDict, rows: slice = slice(None),
                 epochs: int | None = None, *, eval_set: bool = False) -> lm.Corpus:
   """The prompts of `config.data.sources` (`eval_set`: of `eval_sources`, one pass in
   order), this process's `rows` of each batch: what `fit` takes."""
+  from trainer.rl import tools as tools_lib
+  toolbox = tools_lib.load(tuple(config.rl.tools),
+                           config.rl.environment or None)
+  return records_corpus(
+      config, lambda tokenizer: PromptEncoder(
+          tokenizer, length=config.rl.max_prompt_length, field=config.rl.prompt_field,
+          record_length=config.rl.max_record_bytes,
+          tools=toolbox.schemas if toolbox else None),
+      rows, epochs, eval_set=eval_set, what="RL", holds="{prompt: ...}")
+
+
+def records_corpus(config: ml_collections.ConfigDict, encoder, rows: slice = slice(None),
+                   epochs: int | None = None, *, eval_set: bool = False, what: str,
+                   holds: str) -> lm.Corpus:
+  """The rows `encoder(tokenizer)` makes of the records of `config.data.sources`
+  (`eval_set`: of `eval_sources`, one pass in order), this process's `rows` of each
+  batch; `what` reads records that `holds` (for the error of an empty source list)."""
   data = config.data
   run = lm.held_out_config(config) if eval_set else config
   epochs = 1 if eval_set else epochs
   if not run.data.sources:
-    raise ValueError("config.data.sources is empty: RL reads its prompts from JSONL or "
-                     "Parquet files ({prompt: ...} records).")
+    raise ValueError(f"config.data.sources is empty: {what} reads its prompts from JSONL or "
+                     f"Parquet files ({holds} records).")
   resolved = lm.check_config(run, schemas=False)
   tokenizer = lm.tokenizer_of(config)
-  from trainer.rl import tools as tools_lib
-  toolbox = tools_lib.load(tuple(config.rl.tools),
-                           config.rl.environment or None)
   return lm.Corpus(resolved, tokenizer, length=config.seq_len, batch_size=run.batch_size,
                    rows=rows, lanes=run.data.lanes, bad_records=data.bad_records,
                    shuffle_files=run.data.shuffle_files, seed=config.seed,
                    epochs=epochs, workers=run.data.workers if epochs is None else 0,
-                   worker_buffer=data.worker_buffer,
-                   encode=PromptEncoder(tokenizer, length=config.rl.max_prompt_length,
-                                        field=config.rl.prompt_field,
-                                        record_length=config.rl.max_record_bytes,
-                                        tools=toolbox.schemas if toolbox else None))
+                   worker_buffer=data.worker_buffer, encode=encoder(tokenizer))
 
 
 def eval_batches(config: ml_collections.ConfigDict) -> list[dict[str, np.ndarray]]:

@@ -364,7 +364,7 @@ class RLTrainer(LanguageModelTrainer):
     the first rows are kept as samples (`self.samples`)."""
     prompts = jnp.repeat(batch[PROMPT_IDS], group, axis=0)
     lengths = jnp.maximum(jnp.repeat(batch[PROMPT_LENGTHS], group, axis=0), 1)
-    rows, width = prompts.shape
+    rows = prompts.shape[0]
     step_key = jax.random.fold_in(state.rng, state.step)  # Row i: fold_in(step's key, i),
     ids = self.strategy.replica_rows(  # i the row's index in the global batch.
         jnp.arange(rows * (self.strategy.num_data_replicas
@@ -393,17 +393,8 @@ class RLTrainer(LanguageModelTrainer):
       ok = ok & started & looped
       extra = {TOOLS: stats, "tool_mask": tool}
     # Each row: its prompt's tokens, then its completion's, then padding.
-    steps = new.shape[1]
-    position = jnp.arange(width + steps)[None]
-    in_prompt = position < lengths[:, None]
-    at = jnp.clip(position - lengths[:, None], 0, steps - 1)
-    tokens = jnp.where(in_prompt, jnp.take_along_axis(
-        prompts, jnp.clip(position, 0, width - 1), axis=1), jnp.where(
-            position - lengths[:, None] < counts[:, None],
-            jnp.take_along_axis(new, at, axis=1), self.sampling.pad_id))
-    target = position[:, 1:]
-    weights = ((target >= lengths[:, None]) & (target < (lengths + counts)[:, None])).astype(
-        jnp.float32)
+    from trainer.generation import joined
+    tokens, weights, at = joined(prompts, lengths, new, counts, self.sampling.pad_id)
     if "tool_mask" in extra:  # Tool-turn tokens are in the sequence but weigh 0.
       tool = jnp.take_along_axis(extra.pop("tool_mask"), at, axis=1)[:, 1:]
       weights = weights * (1.0 - tool.astype(jnp.float32))

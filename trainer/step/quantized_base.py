@@ -73,6 +73,9 @@ class BaseQuantization:
   dtype: str
   block_size: int
   patterns: tuple[str, ...]
+  #: How a refusal names the block size's field and the way out (a distillation teacher's
+  #: are `config.distill`'s).
+  names: dict = dataclasses.field(default_factory=dict, compare=False, hash=False)
 
   @classmethod
   def from_config(cls, config: ml_collections.ConfigDict) -> BaseQuantization | None:
@@ -159,21 +162,22 @@ class BaseQuantization:
     from qwix._src.core import qarray
 
     axis = lead + inputs - 1
-    check_divides(path, shape, axis, self.block_size)
+    check_divides(path, shape, axis, self.block_size, **self.names)
     return qarray.HowToQuantize(
         qtype=self.qtype,
         channelwise_axes=[a for a in range(len(shape)) if a < lead or a > axis],
         tiled_axes={axis: self.block_size})
 
 
-def check_divides(path: str, shape: tuple[int, ...], axis: int, block_size: int) -> None:
-  """Refuses a block size that does not divide a weight's input axis."""
+def check_divides(path: str, shape: tuple[int, ...], axis: int, block_size: int, *,
+                  field: str = "config.lora.block_size",
+                  otherwise: str = "leave the weight out of config.lora.quantize") -> None:
+  """Refuses a block size that does not divide a weight's input axis, naming `field`."""
   if shape[axis] % block_size:
     ok = [d for d in range(2, shape[axis] + 1, 2) if shape[axis] % d == 0]
-    raise ValueError(f"config.lora.block_size={block_size} does not divide {path}'s input "
+    raise ValueError(f"{field}={block_size} does not divide {path}'s input "
                      f"dimension {shape[axis]} (axis {axis} of its shape {tuple(shape)}); "
-                     f"block sizes that divide it: {ok}, or leave the weight out of "
-                     f"config.lora.quantize.")
+                     f"block sizes that divide it: {ok}, or {otherwise}.")
 
 
 def probe_provider(base: BaseQuantization, paths: list[str]) -> Any:
@@ -209,7 +213,7 @@ def linen_weights(base: BaseQuantization, shapes: Mapping[str, tuple[int, ...]],
     fan_in = int(np.prod(a.shape[lead:-1]))
     inputs = next(k for k in range(1, len(w) - lead + 1)
                   if int(np.prod(w[lead:lead + k])) == fan_in)
-    check_divides(path, w, lead + inputs - 1, base.block_size)
+    check_divides(path, w, lead + inputs - 1, base.block_size, **base.names)
     out[path] = (lead, inputs)
   if missing:
     raise ValueError(f"config.lora.quantize matches {missing}, which no matrix product of "

@@ -20,9 +20,11 @@ SWEPT = {"learning_rate": "learning_rate", "weight_decay": "weight_decay",
          "warmup_steps": "schedule.warmup_steps", "ema_decay": "ema_decay",
          "beta": "preference.beta"}
 #: Swept names of a setup's own section, each held in the train state as an array when
-#: swept (a preference loss's `beta`: `trainer.preference`); a config without the section
-#: cannot sweep them.
+#: swept (a preference loss's `beta`: `trainer.preference`; distillation's divergence's:
+#: `trainer.distill`); a config without the section cannot sweep them. The name's field
+#: is the first of its candidates the config holds.
 SETUP_SWEPT = ("beta",)
+SETUP_FIELDS = {"beta": ("preference.beta", "distill.beta")}
 
 #: Why a name outside `SWEPT` cannot be swept, and what to do instead.
 NOT_SWEPT = ("a sweep trains every member in one compiled program, so it varies the optimizer's "
@@ -49,18 +51,28 @@ def _has(config: ml_collections.ConfigDict, field: str) -> bool:
   return True
 
 
+def field_of(config: ml_collections.ConfigDict, name: str) -> str:
+  """The config field swept `name` replaces (a setup's: the section the config holds)."""
+  for field in SETUP_FIELDS.get(name, ()):
+    if _has(config, field):
+      return field
+  return SWEPT[name]
+
+
 def config_values(config: ml_collections.ConfigDict) -> dict[str, Any]:
   """The config's value of each swept name its sections hold."""
-  return {name: _config_value(config, field) for name, field in SWEPT.items()
+  fields = {name: field_of(config, name) for name in SWEPT}
+  return {name: _config_value(config, field) for name, field in fields.items()
           if _has(config, field)}
 
 
 def check_setup_names(config: ml_collections.ConfigDict, names) -> None:
   """Raises for a swept name of a setup section (`SETUP_SWEPT`) the config lacks."""
   for name in names:
-    if name in SETUP_SWEPT and not _has(config, SWEPT[name]):
+    if name in SETUP_SWEPT and not _has(config, field_of(config, name)):
       raise ValueError(f"config.sweep sweeps {name!r}, which is config.{SWEPT[name]}: only a "
-                       f"config with that field (configs/preference.py) can sweep it.")
+                       f"config with that field (configs/preference.py, configs/distill.py) "
+                       f"can sweep it.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,9 +117,10 @@ class Sweep:
     member's after exploring) in place of the config's, no sweep."""
     values = self.members[i] if values is None else values
     out = ml_collections.ConfigDict(config.to_dict())
-    for name, field in SWEPT.items():
+    for name in SWEPT:
       if name not in values:
         continue
+      field = field_of(config, name)
       *parents, last = field.split(".")
       node = out
       for part in parents:
@@ -157,7 +170,7 @@ class Sweep:
     points = points or [{}]
     members = tuple({**base, **p, "seed": seed} for p in points for seed in seeds)
     for m in members:
-      check_member(m)
+      check_member(m, distill=_has(config, "distill.beta"))
     if (grid.get("ema_decay") or any("ema_decay" in p for p in points)) and min(
         m["ema_decay"] for m in members) <= 0:
       raise ValueError("config.sweep sweeps ema_decay with a value of 0; every swept decay "
@@ -290,15 +303,18 @@ def _fmt(value: float) -> str:
   return f"{value:g}" if isinstance(value, float) else str(value)
 
 
-def check_member(m: Mapping[str, float]) -> None:
-  """Raises unless each of `m`'s swept values is in its name's range."""
+def check_member(m: Mapping[str, float], *, distill: bool = False) -> None:
+  """Raises unless each of `m`'s swept values is in its name's range (`distill`: beta is
+  distillation's, in [0, 1])."""
   checks = {"learning_rate": lambda v: v > 0, "weight_decay": lambda v: v >= 0,
             "momentum": lambda v: 0 <= v < 1, "b1": lambda v: 0 <= v < 1,
             "grad_clip_norm": lambda v: v >= 0,
             "warmup_steps": lambda v: float(v).is_integer() and v >= 0,
-            "ema_decay": lambda v: 0 <= v < 1, "beta": lambda v: v > 0}
+            "ema_decay": lambda v: 0 <= v < 1,
+            "beta": (lambda v: 0 <= v <= 1) if distill else (lambda v: v > 0)}
   for name, ok in checks.items():
     if name in m and not ok(m[name]):
       raise ValueError(f"config.sweep value {name}={m[name]!r} is out of range (learning_rate "
                        f"> 0; weight_decay, grad_clip_norm >= 0; momentum, b1, ema_decay in "
-                       f"[0, 1); warmup_steps an integer >= 0; beta > 0).")
+                       f"[0, 1); warmup_steps an integer >= 0; beta > 0, or in [0, 1] for "
+                       f"distillation).")

@@ -1,0 +1,71 @@
+"""A distillation run (`distill_setup`, tiny) with checkpoints, for the SIGKILL resume test.
+
+    python tests/distill_resume_run.py --models=M --workdir=W --out=final.npz \
+        [--kill_at=S | --kill_after_save_at=S]
+
+Trains 8 steps under FSDP on 8 host devices at `lmbda=0.5` (some batches the student's
+samples, some the records'), checkpointing every 4 steps and resuming from `W/checkpoints`
+when it holds one. `--kill_at=S` SIGKILLs the process once step S is done (between
+checkpoints); `--kill_after_save_at=S` once the checkpoint of step S is complete. Writes
+the final state (checkpoint layout, the teacher included) to `--out`.
+"""
+
+import argparse
+import logging
+import os
+import pathlib
+import signal
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [HERE, os.path.dirname(HERE)]
+
+import conftest  # noqa: E402,F401 -- sets the 8 fake devices before jax starts.
+import distill_setup  # noqa: E402
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+from resume_run import flat  # noqa: E402
+from sweep_run import KillingCheckpointer  # noqa: E402
+
+from trainer.loop.actions import PeriodicCallback  # noqa: E402
+
+STEPS = 8
+
+
+def main():
+  parser = argparse.ArgumentParser()
+  parser.add_argument("--models", required=True)
+  parser.add_argument("--workdir", required=True)
+  parser.add_argument("--out", required=True)
+  parser.add_argument("--kill_at", type=int, default=-1)
+  parser.add_argument("--kill_after_save_at", type=int, default=-1)
+  args = parser.parse_args()
+  logging.getLogger().setLevel(logging.INFO)
+  for noisy in ("absl", "jax", "orbax"):
+    logging.getLogger(noisy).setLevel(logging.WARNING)
+  from trainer.distill import DistillationTrainer
+  from trainer.distill import data as distill_data
+  config = distill_setup.config(pathlib.Path(args.models), "llama", "fsdp",
+                                num_train_steps=STEPS, **{"distill.lmbda": 0.5})
+  trainer = DistillationTrainer(config)
+  checkpointer = KillingCheckpointer(os.path.join(args.workdir, "checkpoints"), every_steps=4,
+                                     async_save=False)
+  checkpointer.kill_at = args.kill_after_save_at
+
+  def kill(view):
+    if view.step == args.kill_at:
+      jax.block_until_ready(view.state)
+      os.kill(os.getpid(), signal.SIGKILL)
+
+  try:
+    result = trainer.fit(distill_data.from_config(config), num_steps=STEPS,
+                         checkpointer=checkpointer, workdir=args.workdir,
+                         actions=[PeriodicCallback(kill, every_steps=1, reads_state=True)])
+  finally:
+    checkpointer.close()
+  np.savez(args.out, **flat(trainer.strategy.checkpoint_state(result.state)))
+  print(f"finished at step {result.step}", flush=True)
+
+
+if __name__ == "__main__":
+  main()
