@@ -1,6 +1,7 @@
 r"""On-policy distillation of a language model (examples/distill_lm.py).
 
     python examples/distill_lm.py --workdir=/tmp/distill
+    python examples/distill_lm.py --config=configs/distill.py:gkd --workdir=/tmp/gkd
 
 `config.distill` holds the teacher, the divergence (`beta`, `temperature`), GKD's
 `lmbda` and the completions' sizes (`trainer.distill`); `config.data.sources` name prompt
@@ -53,6 +54,10 @@ def get_config(variant: str = "onpolicy") -> ml_collections.ConfigDict:
   config.learning_rate = 1e-3 if variant != "lora" else 3e-3
   config.schedule.warmup_steps = 5
   config.data.bad_records = "skip"  # Docs prompts that tokenize past the row: counted.
+  # The teacher the example trains first when config.distill.teacher is empty: a GPT-2
+  # twice the student's width and depth, on the same text (examples/distill_lm.py).
+  config.teacher = ml_collections.ConfigDict(dict(
+      steps=300, num_layers=4, embed_dim=128, num_heads=4, mlp_dim=512, learning_rate=1e-3))
   if variant == "gkd":
     config.distill.update(lmbda=0.5, beta=0.5)
   if variant == "sweep":  # Members over the 'ensemble' axis, each one's batch over 'data'.

@@ -164,23 +164,19 @@ def read_fields(path: str) -> dict:
 
 
 def teacher_bytes(abstract_teacher: PyTree, strategy: Any) -> tuple[int, int]:
-  """The teacher's bytes `(in all, on the device holding most)` in the strategy's layout."""
-  from trainer.step.quantized_base import is_quantized
-  del is_quantized
+  """The teacher's bytes `(in all, on the device holding most)` in the strategy's layout
+  (4-bit codes at half a byte each, as a checkpoint packs them)."""
+  del strategy  # The leaves carry their shardings.
+
+  def nbytes(count: int, dtype) -> int:
+    dtype = jnp.dtype(dtype)
+    return count // 2 if dtype.name in ("uint4", "int4") else count * dtype.itemsize
+
   total, per_device = 0, {}
   for leaf in jax.tree.leaves(abstract_teacher):
-    size = int(np.prod(leaf.shape)) * jnp.dtype(leaf.dtype).itemsize
-    if jnp.dtype(leaf.dtype).name in ("uint4", "int4"):
-      size //= 2
-    total += size
-    sharding = getattr(leaf, "sharding", None)
-    if sharding is None:
-      per_device[None] = per_device.get(None, 0) + size
-      continue
-    for device, index in sharding.devices_indices_map(leaf.shape).items():
-      part = int(np.prod([len(range(*s.indices(n))) for s, n in zip(index, leaf.shape,
-                                                                      strict=True)]))
-      nbytes = part * jnp.dtype(leaf.dtype).itemsize // (
-          2 if jnp.dtype(leaf.dtype).name in ("uint4", "int4") else 1)
-      per_device[device] = per_device.get(device, 0) + nbytes
+    total += nbytes(int(np.prod(leaf.shape)), leaf.dtype)
+    for device, index in leaf.sharding.devices_indices_map(leaf.shape).items():
+      part = int(np.prod([len(range(*s.indices(n)))
+                          for s, n in zip(index, leaf.shape, strict=True)]))
+      per_device[device] = per_device.get(device, 0) + nbytes(part, leaf.dtype)
   return total, max(per_device.values(), default=0)
