@@ -1,7 +1,7 @@
 r"""On-policy distillation against off-policy (supervised training on the teacher's own
 samples), and a distillation step's cost against an SFT step on the same tokens.
 
-    python benchmarks/distill.py [--workdir /tmp/distill_bench] [--steps 100] \
+    python benchmarks/distill.py --workdir /tmp/distill_bench [--steps 100] \
         [--timing-steps 5] [--devices 8] [--student-layers 2] [--student-embed 64] \
         [--teacher-layers 4] [--teacher-embed 128] [--teacher-steps 300]
 
@@ -80,6 +80,7 @@ def quality(args) -> dict:
     config = base_config(args)
     config = ml_collections.ConfigDict(config.to_dict())
     config.num_train_steps = args.steps
+    config.schedule.warmup_steps = min(config.schedule.warmup_steps, args.steps - 1)
     kind = DistillationTrainer
     if name == "off-policy":
       config.distill.lmbda = 0.0
@@ -153,7 +154,7 @@ def timing(args) -> dict:
     if dtype:
       import ml_collections
       other = ml_collections.ConfigDict(config.to_dict())
-      other.distill.update(teacher_dtype=dtype, teacher_block_size=32)
+      other.distill.update(teacher_dtype=dtype, teacher_block_size=16)  # 8 blocks: FSDP splits.
       quantized = DistillationTrainer(other)
     abstract = quantized.strategy.checkpoint_target(quantized.states.abstract(batch))
     total, per_device = teacher_bytes(
@@ -166,7 +167,8 @@ def timing(args) -> dict:
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--workdir", default="/tmp/distill_bench")
+  parser.add_argument("--workdir", required=True,
+                      help="Where the teacher, the records and the students' base go.")
   parser.add_argument("--steps", type=int, default=100)
   parser.add_argument("--timing-steps", type=int, default=5)
   parser.add_argument("--devices", type=int, default=8)

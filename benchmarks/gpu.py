@@ -34,7 +34,10 @@ seconds (`--size smoke`, the default elsewhere):
   states, a GPT-2 of 12 x 768 (`rl.py`);
 - `rl_tools`: multi-turn rollouts of 4 tool turns continued from the cache against the
   prefix run again at each turn, and a multi-turn step's parts, a GPT-2 of 12 x 768
-  (`rl_tools.py`).
+  (`rl_tools.py`);
+- `distill`: an on-policy distillation step's parts (the student's sampling, the teacher's
+  forward, the update) against an SFT step on the same tokens, a GPT-2 of 12 x 768 taught
+  by one of 24 x 1024, and the teacher's bytes in float32, int8 and NF4 (`distill.py`).
 
 The parent process never starts jax on the accelerator (a probe subprocess names
 the device), so each stage has the whole GPU. Stages run in order; one that
@@ -128,6 +131,15 @@ STAGES = {
         "smoke": ["rl.py", "--layers", "1", "--embed", "64", "--vocab", "64", "--prompts", "2",
                   "--group", "2", "--prompt-len", "8", "--new", "4", "--steps", "1",
                   "--repeats", "1", "--devices", "2"],
+    },
+    "distill": {  # A distillation step's parts against an SFT step; the teacher's bytes.
+        "gpu": ["distill.py", "--workdir", os.path.join(tempfile.gettempdir(), "distill_gpu"),
+                "--steps", "0", "--timing-steps", "5", "--student-layers", "12",
+                "--student-embed", "768", "--teacher-layers", "24", "--teacher-embed", "1024",
+                "--teacher-steps", "20", "--devices", "1", "--compute-dtype", "bfloat16"],
+        "smoke": ["distill.py", "--workdir", os.path.join(tempfile.gettempdir(),
+                                                          "distill_smoke"),
+                  "--steps", "0", "--timing-steps", "1", "--teacher-steps", "2"],
     },
     "rl_tools": {  # Tool turns from the cache against the prefix run again; a step's parts.
         "gpu": ["rl_tools.py", "--layers", "12", "--embed", "768", "--prompts", "8", "--group",

@@ -11,15 +11,14 @@ tokenizer, strategy and LoRA settings are the fine-tuning example's
 
 Variants: `onpolicy` (the student's own samples every step, the reverse KL: TRL 1.16
 DistillationTrainer's defaults), `gkd` (GKD: half the batches the records' completions,
-the JSD at beta 0.5), `lora` (`onpolicy` on rank-8 adapters), `sweep` (`onpolicy` at
-three values of beta, one ensemble program).
+the JSD at beta 0.5) and `lora` (`onpolicy` on rank-8 adapters).
 """
 
 import ml_collections
 
 from configs import finetune_lm
 
-VARIANTS = ("onpolicy", "gkd", "lora", "sweep")
+VARIANTS = ("onpolicy", "gkd", "lora")
 
 
 def distill_fields() -> ml_collections.ConfigDict:
@@ -60,12 +59,4 @@ def get_config(variant: str = "onpolicy") -> ml_collections.ConfigDict:
       steps=300, num_layers=4, embed_dim=128, num_heads=4, mlp_dim=512, learning_rate=1e-3))
   if variant == "gkd":
     config.distill.update(lmbda=0.5, beta=0.5)
-  if variant == "sweep":  # Members over the 'ensemble' axis, each one's batch over 'data'.
-    config.strategy.name = "sharded_ensemble"
-    config.strategy.logical_axis_rules = ()
-    config.ensemble_size = 0
-    config.strategy.ensemble_mesh_shape = (1, -1)
-    config.sweep.grid.beta = (0.0, 0.5, 1.0)
-    config.sweep.metric = "reverse_kl"
-    config.sweep.mode = "min"
   return config

@@ -97,10 +97,11 @@ def write_records(config, directory: str, teacher_dir: str, tokenizer_path: str
   import numpy as np
 
   from trainer import LanguageModelTrainer
-  from trainer.data.corpus import Tokenizer
+  from trainer.data.lm import tokenizer_of
   from trainer.generation import Generator, Sampling
   from trainer.interop import hf
-  tokenizer = Tokenizer(tokenizer_path)
+  del tokenizer_path
+  tokenizer = tokenizer_of(config)  # As the records' pipeline tokenizes (its BOS too).
   spec = config.distill
   prompts = []
   for doc in lm_setup.documents(lm_setup.read_text(None)):

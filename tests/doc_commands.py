@@ -104,6 +104,10 @@ FEW_STEPS = {
     "examples/preference_lm.py": ["--config.num_train_steps=2", "--config.log_every_steps=1",
                                   "--config.schedule.warmup_steps=0"],
     "examples/rl_lm.py": ["--config.num_train_steps=2", "--config.log_every_steps=1"],
+    # A teacher of 2 steps (tests/test_distill.py runs the whole example).
+    "examples/distill_lm.py": ["--config.num_train_steps=2", "--config.log_every_steps=1",
+                               "--config.schedule.warmup_steps=0", "--config.teacher.steps=2"],
+    "benchmarks/distill.py": ["--steps", "2", "--timing-steps", "1", "--teacher-steps", "2"],
     "benchmarks/preference.py": ["--layers", "1", "--embed", "64", "--vocab", "64", "--seq",
                                  "32", "--pairs", "4", "--steps", "2", "--repeats", "1",
                                  "--devices", "2", "--rows", "sft,dpo copy"],
@@ -179,6 +183,8 @@ EXPECTED_OUTPUT = {
     "examples/preference_lm.py": (r"^held-out pairs \(\w+\): reward accuracy \d\.\d{3} -> "
                                   r"\d\.\d{3}, margin -?\d+\.\d{4} -> -?\d+\.\d{4}"),
     "examples/rl_lm.py": r"^held-out mean reward: before=\d\.\d{3} after=\d\.\d{3}",
+    "examples/distill_lm.py": r"^held-out reverse_kl: before=\d+\.\d{4} after=\d+\.\d{4}$",
+    "benchmarks/distill.py": r"^sft step\s+\d+\.\d{4}\s+\d+\.\d{2}x$",
     "benchmarks/preference.py": r"^dpo copy\s+\d+\.\d{4}\s+\d+\.\d{2}x\s+\d+\.\d{2}$",
     "benchmarks/rl.py": r"^two-state loop\s+\d+\.\d{4}\s+\d+\s+\d+\.\d{2}x$",
     "benchmarks/rl_tools.py": r"^prefix again\s+\d+\.\d{4}\s+\d+\s+\d+\.\d{2}x$",

@@ -11,10 +11,11 @@ from configs import base
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 LIBRARY = sorted(p for d in ("trainer", "strategies") for p in (ROOT / d).rglob("*.py"))
 #: Sections a setup config declares for its own task (model and dataset; the LM setup's
-#: `seq_len`, which the dry run's LM entry reads; post-training's `preference` and `rl`,
-#: which `configs/preference.py` and `configs/rl.py` declare), read by task Trainers and
+#: `seq_len`, which the dry run's LM entry reads; post-training's `preference`, `rl` and
+#: `distill`, which `configs/preference.py`, `configs/rl.py` and `configs/distill.py` declare),
+#: read by task Trainers and
 #: entry points; everything else the library reads is a base field.
-SETUP_SECTIONS = ("model", "data", "seq_len", "preference", "rl")
+SETUP_SECTIONS = ("model", "data", "seq_len", "preference", "rl", "distill")
 CONFIG_DICT_METHODS = {"get", "update", "to_dict", "items", "keys", "values", "get_ref",
                        "lock", "unlock", "copy_and_resolve_references", "to_json",
                        "to_json_best_effort"}

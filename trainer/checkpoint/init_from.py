@@ -35,6 +35,7 @@ from the restored parameters (and so does the recipe's state, an EMA of them).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import re
@@ -70,9 +71,9 @@ def _flatten(tree: PyTree) -> dict[str, Any]:
   return {_name(path): leaf for path, leaf in jax.tree_util.tree_leaves_with_path(tree)}
 
 
-def _as_weights(tree: PyTree) -> dict[str, Any]:
-  """`_flatten`, with each quantized weight (QLoRA's base, `trainer.step.quantized_base`)
-  one entry: its path, its shape and its scale's dtype, what a source's weight maps to."""
+def flat_weights(tree: PyTree) -> dict[str, Any]:
+  """`_flatten` (what a `plan` matches), with each quantized weight (QLoRA's base,
+  `trainer.step.quantized_base`) one entry: its path, shape and scale's dtype."""
   from trainer.step.quantized_base import is_quantized
 
   out = {}
@@ -88,7 +89,7 @@ def variables_by_collection(params: PyTree, model_state: PyTree, *,
                             linen: bool) -> Flat:
   """`params` and the model state as collections of flat paths: a Linen model's state is
   keyed by collection (`batch_stats`), an NNX model's is one `model_state` collection."""
-  out = {"params": _as_weights(params)}
+  out = {"params": flat_weights(params)}
   if linen:
     for name, tree in dict(model_state or {}).items():
       out[name] = _flatten(tree)
@@ -429,29 +430,18 @@ def _reader(plan_: Plan, collection: str, path: str, *, num_members: int,
 
 
 def _whole(plan_: Plan) -> Flat | None:
-  """A source that cannot read slices, read in one call as a whole (None: it reads
-  slices)."""
+  """A source that cannot read slices, read whole (None: it reads slices)."""
   if plan_.source.read_slice is not None:
     return None
   return plan_.source.read({c: sorted(set(m.values())) for c, m in plan_.mapped.items() if m})
 
 
-def flat_weights(tree: PyTree) -> dict[str, Any]:
-  """One model's abstract parameters as the flat `{path: ShapeDtypeStruct}` a `plan`
-  matches (a quantized weight one entry)."""
-  return _as_weights(tree)
-
-
 def placed(plan_: Plan, collection: str, tree: PyTree, targets: PyTree, *,
            num_members: int, whole: Flat | None | bool = False) -> PyTree:
   """`tree` (placed arrays of `collection`) with the variables `plan_` maps read from its
-  source, each device's part on its own (`jax.make_array_from_callback`, a quantized
-  weight quantized from the blocks that cover the part); the others keep their values.
-
-  Args:
-    targets: the arrays' checkpoint targets (shapes and shardings).
-    whole: the source read whole (`False`: read it here where it cannot read slices).
-  """
+  source, each device's part on its own (a quantized weight from the blocks that cover
+  it); the others keep their values. `targets`: the arrays' checkpoint targets; `whole`:
+  the source read whole (`False`: read here where it cannot read slices)."""
   from trainer.step.quantized_base import is_quantized, quantized_from
 
   if whole is False:
@@ -492,11 +482,7 @@ def start_from(plan_: Plan, strategy: Any, state: PyTree, abstract_state: PyTree
   num_members = strategy.checkpoint_layout()["num_members"]
   target = strategy.checkpoint_target(abstract_state)
   current = strategy.checkpoint_state(state)
-  whole = _whole(plan_)
-
-  def place(collection: str, tree: PyTree, targets: PyTree) -> PyTree:
-    return placed(plan_, collection, tree, targets, num_members=num_members, whole=whole)
-
+  place = functools.partial(placed, plan_, num_members=num_members, whole=_whole(plan_))
   params = place("params", current.params, target.params)
   if linen:
     model_state = {c: place(c, tree, target.model_state[c])
