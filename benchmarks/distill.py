@@ -86,14 +86,14 @@ def quality(args) -> dict:
       config.distill.lmbda = 0.0
       kind = supervised_trainer()
     trainer = kind(config)
+    # Both judged by the distillation eval at lmbda = 1 (on the student's own samples).
+    judge = trainer if name == "on-policy" else DistillationTrainer(ml_collections.ConfigDict(
+        {**config.to_dict(), "distill": {**config.distill.to_dict(), "lmbda": 1.0}}))
     held = distill_data.eval_batches(config)
     start = time.perf_counter()
     state = trainer.init_state(held[0])
-    before = trainer.evaluate(state, held)
+    before = judge.evaluate(state, held)
     result = trainer.fit(distill_data.from_config(config), num_steps=args.steps, state=state)
-    # Both judged by the distillation eval (on-policy samples, the teacher's T = 1).
-    judge = DistillationTrainer(config if name == "on-policy" else ml_collections.ConfigDict(
-        {**config.to_dict(), "distill": {**config.distill.to_dict(), "lmbda": 1.0}}))
     after = judge.evaluate(result.state, held)
     out[name] = {"before": before, "after": after, "seconds": time.perf_counter() - start}
   return out

@@ -14,7 +14,6 @@ import argparse
 import logging
 import os
 import pathlib
-import signal
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -22,12 +21,9 @@ sys.path[:0] = [HERE, os.path.dirname(HERE)]
 
 import conftest  # noqa: E402,F401 -- sets the 8 fake devices before jax starts.
 import distill_setup  # noqa: E402
-import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from resume_run import flat  # noqa: E402
-from sweep_run import KillingCheckpointer  # noqa: E402
-
-from trainer.loop.actions import PeriodicCallback  # noqa: E402
+from sweep_run import fit_killed  # noqa: E402
 
 STEPS = 8
 
@@ -48,21 +44,9 @@ def main():
   config = distill_setup.config(pathlib.Path(args.models), "llama", "fsdp",
                                 num_train_steps=STEPS, **{"distill.lmbda": 0.5})
   trainer = DistillationTrainer(config)
-  checkpointer = KillingCheckpointer(os.path.join(args.workdir, "checkpoints"), every_steps=4,
-                                     async_save=False)
-  checkpointer.kill_at = args.kill_after_save_at
-
-  def kill(view):
-    if view.step == args.kill_at:
-      jax.block_until_ready(view.state)
-      os.kill(os.getpid(), signal.SIGKILL)
-
-  try:
-    result = trainer.fit(distill_data.from_config(config), num_steps=STEPS,
-                         checkpointer=checkpointer, workdir=args.workdir,
-                         actions=[PeriodicCallback(kill, every_steps=1, reads_state=True)])
-  finally:
-    checkpointer.close()
+  result = fit_killed(trainer, distill_data.from_config(config), num_steps=STEPS,
+                      workdir=args.workdir, kill_at=args.kill_at,
+                      kill_after_save_at=args.kill_after_save_at)
   np.savez(args.out, **flat(trainer.strategy.checkpoint_state(result.state)))
   print(f"finished at step {result.step}", flush=True)
 

@@ -16,20 +16,16 @@ turn whose result its environment draws from the step's and the row's seed.
 import argparse
 import logging
 import os
-import signal
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE), os.path.join(os.path.dirname(HERE), "examples")]
 
 import conftest  # noqa: E402,F401 -- sets the 8 fake devices before jax starts.
-import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import rl_tasks  # noqa: E402
 from resume_run import flat  # noqa: E402
-from sweep_run import KillingCheckpointer  # noqa: E402
-
-from trainer.loop.actions import PeriodicCallback  # noqa: E402
+from sweep_run import fit_killed  # noqa: E402
 
 STEPS = 8
 
@@ -79,21 +75,9 @@ def main():
   trainer = RLTrainer(config)
   if args.tools:
     trainer.multi_turn.policy = tool_setup.calling_policy(trainer)
-  checkpointer = KillingCheckpointer(os.path.join(args.workdir, "checkpoints"), every_steps=4,
-                                     async_save=False)
-  checkpointer.kill_at = args.kill_after_save_at
-
-  def kill(view):
-    if view.step == args.kill_at:
-      jax.block_until_ready(view.state)  # Step S's rollouts are drawn (and logged).
-      os.kill(os.getpid(), signal.SIGKILL)
-
-  try:
-    result = trainer.fit(rl_data.from_config(config), num_steps=STEPS,
-                         checkpointer=checkpointer, workdir=args.workdir,
-                         actions=[PeriodicCallback(kill, every_steps=1, reads_state=True)])
-  finally:
-    checkpointer.close()
+  result = fit_killed(trainer, rl_data.from_config(config), num_steps=STEPS,
+                      workdir=args.workdir, kill_at=args.kill_at,
+                      kill_after_save_at=args.kill_after_save_at)
   np.savez(args.out, **flat(trainer.strategy.checkpoint_state(result.state)))
   print(f"finished at step {result.step}", flush=True)
 

@@ -61,6 +61,31 @@ class KillAfterChoices(Action):
       os.kill(os.getpid(), signal.SIGKILL)
 
 
+def fit_killed(trainer, batches, *, num_steps: int, workdir: str, kill_at: int = -1,
+               kill_after_save_at: int = -1, every_steps: int = 4):
+  """`trainer.fit` checkpointing every `every_steps` in `workdir/checkpoints` (resuming from
+  it), SIGKILLed once step `kill_at` is done (between checkpoints: its state computed) or
+  once the checkpoint of step `kill_after_save_at` is complete; returns the fit's result."""
+  import jax
+
+  from trainer.loop.actions import PeriodicCallback
+  checkpointer = KillingCheckpointer(os.path.join(workdir, "checkpoints"),
+                                     every_steps=every_steps, async_save=False)
+  checkpointer.kill_at = kill_after_save_at
+
+  def kill(view):
+    if view.step == kill_at:
+      jax.block_until_ready(view.state)  # Step S is done (and anything it logs, logged).
+      os.kill(os.getpid(), signal.SIGKILL)
+
+  try:
+    return trainer.fit(batches, num_steps=num_steps, checkpointer=checkpointer,
+                       workdir=workdir,
+                       actions=[PeriodicCallback(kill, every_steps=1, reads_state=True)])
+  finally:
+    checkpointer.close()
+
+
 class KillingCheckpointer(Checkpointer):
   """Dies by SIGKILL once the save of one step is complete."""
 
