@@ -72,6 +72,8 @@ def train_teacher(config, workdir: str, tokenizer_path: str) -> str:
   teacher.update(num_train_steps=spec.steps, learning_rate=spec.learning_rate,
                  seed=config.seed)
   teacher.checkpoint.every_steps = spec.steps
+  # The fine-tune's warmup, within the teacher's run (a run of a few steps has less).
+  teacher.schedule.warmup_steps = min(teacher.schedule.warmup_steps, spec.steps - 1)
   checkpointer = Checkpointer.from_config(teacher, directory)
   try:
     if checkpointer.latest_step() != spec.steps:
