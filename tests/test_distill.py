@@ -239,6 +239,10 @@ def test_a_teacher_from_a_workdir_is_its_checkpoint(models, tmp_path):
       "strategy.mesh_shape": (2, -1)},
      r"mesh_axes=\('data', 'stage'\) with config\.distill\.lmbda=1\.0: the student samples "
      r"its completions in the train step, which cannot run under a pipeline"),
+    ({"strategy.name": "sharded_ensemble", "ensemble_size": 0, "sweep.scheduler": "halving",
+      "strategy.ensemble_mesh_shape": (2, -1), "strategy.logical_axis_rules": (),
+      "sweep.grid.learning_rate": (0.1, 0.2, 0.3, 0.4), "eval_every_steps": 2},
+     r"config\.sweep\.scheduler='halving' \(or a study\) starts new members during the run"),
 ])
 def test_refused_naming_the_field_before_any_compute(models, overrides, match):
   with pytest.raises(ValueError, match=match):

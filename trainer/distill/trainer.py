@@ -83,9 +83,8 @@ class TeacherStates(States):
     return self.teacher.load(state, self.strategy, self.abstract(example_batch))
 
   def init_members(self, seeds: list[int]) -> PyTree:
-    raise ValueError("config.sweep.scheduler refills members with new ones: distillation's "
-                     "teacher is read once, when the run starts; sweep distillation on a grid "
-                     "(config.sweep.scheduler='').")
+    raise NotImplementedError("new members during a run (refused with the config: "
+                              "DistillationTrainer)")
 
 
 def _masked_mean(x: jax.Array, mask: jax.Array) -> jax.Array:
@@ -104,6 +103,11 @@ class DistillationTrainer(LanguageModelTrainer):
   def __init__(self, config: ml_collections.ConfigDict, **kwargs):
     self.distill = Distill.from_config(config)  # Refused before any compute.
     super().__init__(config, **kwargs)
+    from trainer.sweep.members import REFILLING
+    if self.sweep is not None and self.sweep.scheduler in REFILLING:
+      raise ValueError(f"config.sweep.scheduler={config.sweep.scheduler!r} (or a study) starts "
+                       f"new members during the run; distillation's teacher is read once, "
+                       f"when the run starts: sweep it on a grid (config.sweep.grid).")
     self.teacher = teacher_lib.Teacher.from_config(
         config, vocab_multiple=self.strategy.shards_of("vocab"))
     self.states = TeacherStates.of(self.states, self.teacher)
