@@ -42,12 +42,12 @@ def supervised_trainer():
   (TRL's reduction: summed over completion tokens, divided by their count)."""
   from trainer.distill import DistillationTrainer, losses
   from trainer.distill.trainer import WEIGHTS
+  from trainer.generation import logits_of
   from trainer.preference.losses import token_logps
 
   class SupervisedOnSamples(DistillationTrainer):
     def loss(self, outputs, batch):
-      logits = outputs.logits if hasattr(outputs, "logits") else outputs
-      nll = -token_logps(logits, batch["targets"], self.config.model.vocab_size)
+      nll = -token_logps(logits_of(outputs), batch["targets"], self.config.model.vocab_size)
       return losses.per_sequence(nll, batch[WEIGHTS])
   return SupervisedOnSamples
 
@@ -149,17 +149,13 @@ def timing(args) -> dict:
       holder[0], _ = train(holder[0], update)
       jax.block_until_ready(holder[0].params)
     figures[name] = median_seconds(one, args.timing_steps)
+  import ml_collections
   for dtype in ("", "int8", "nf4"):
-    quantized = DistillationTrainer(config) if not dtype else None
-    if dtype:
-      import ml_collections
-      other = ml_collections.ConfigDict(config.to_dict())
-      other.distill.update(teacher_dtype=dtype, teacher_block_size=16)  # 8 blocks: FSDP splits.
-      quantized = DistillationTrainer(other)
-    abstract = quantized.strategy.checkpoint_target(quantized.states.abstract(batch))
-    total, per_device = teacher_bytes(
-        jax.tree.map(lambda x: x, abstract.teacher), quantized.strategy)
-    figures[f"teacher {dtype or 'float32'}"] = (total, per_device)
+    other = ml_collections.ConfigDict(config.to_dict())
+    other.distill.update(teacher_dtype=dtype, teacher_block_size=16)  # 8 blocks: FSDP splits.
+    stored = DistillationTrainer(other)
+    abstract = stored.strategy.checkpoint_target(stored.states.abstract(batch))
+    figures[f"teacher {dtype or 'float32'}"] = teacher_bytes(abstract.teacher)
   figures["rows"], figures["tokens"] = (config.batch_size, config.distill.max_prompt_length
                                         + config.distill.max_completion_length)
   return figures

@@ -111,8 +111,8 @@ class Teacher:
     """The teacher's logits `[rows, length, vocab]` of `tokens`, without gradients."""
     outputs, _ = self.variables.apply(jax.lax.stop_gradient(params), {}, ((tokens,), {}),
                                    rngs={"dropout": jax.random.PRNGKey(0)}, train=False)
-    logits = outputs.logits if hasattr(outputs, "logits") else outputs
-    return jax.lax.stop_gradient(logits)
+    from trainer.generation import logits_of
+    return jax.lax.stop_gradient(logits_of(outputs))
 
   def load(self, state: PyTree, strategy: Any, abstract_state: PyTree) -> PyTree:
     """`state` with its teacher's variables read from the teacher's source, each device's
@@ -163,10 +163,9 @@ def read_fields(path: str) -> dict:
                    f"{accepted}.")
 
 
-def teacher_bytes(abstract_teacher: PyTree, strategy: Any) -> tuple[int, int]:
-  """The teacher's bytes `(in all, on the device holding most)` in the strategy's layout
-  (4-bit codes at half a byte each, as a checkpoint packs them)."""
-  del strategy  # The leaves carry their shardings.
+def teacher_bytes(abstract_teacher: PyTree) -> tuple[int, int]:
+  """The teacher's bytes `(in all, on the device holding most)` in the layout its leaves'
+  shardings give (4-bit codes at half a byte each, as a checkpoint packs them)."""
 
   def nbytes(count: int, dtype) -> int:
     dtype = jnp.dtype(dtype)

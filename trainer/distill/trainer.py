@@ -32,6 +32,7 @@ from trainer.distill import teacher as teacher_lib
 from trainer.distill.data import COMPLETION_IDS, COMPLETION_LENGTHS
 from trainer.distill.settings import Distill
 from trainer.evaluation import MASK_KEY
+from trainer.generation import logits_of
 from trainer.language_model import LanguageModelTrainer
 from trainer.metrics import NanAverage
 from trainer.rl.data import PROMPT_IDS, PROMPT_LENGTHS
@@ -143,8 +144,7 @@ class DistillationTrainer(LanguageModelTrainer):
   def _terms(self, outputs, batch: Batch):
     """Each token's divergence and entropy, and the student's log-probs at T; a sweep's
     beta is each member's own (the update batch's `BETA` rows)."""
-    logits = outputs.logits if hasattr(outputs, "logits") else outputs
-    student = losses_lib.log_probs(logits, self.distill.temperature,
+    student = losses_lib.log_probs(logits_of(outputs), self.distill.temperature,
                                    self.config.model.vocab_size)
     beta = batch[BETA][:, None] if BETA in batch else self.distill.beta
     per_token = losses_lib.divergence(student, batch[TEACHER], beta)
@@ -234,9 +234,10 @@ class DistillationTrainer(LanguageModelTrainer):
     key = jax.random.fold_in(jax.random.fold_in(state.rng, state.step), 0x6B64)  # "kd"
     return jax.random.uniform(key) < lmbda
 
-  def update_batch(self, state, batch: Batch) -> Batch:
-    """A batch of prompts as the update's batch: completions and the teacher's log-probs."""
-    on = self._on_policy(state)
+  def update_batch(self, state, batch: Batch, on_policy: bool | None = None) -> Batch:
+    """A batch of prompts as the update's batch: completions and the teacher's log-probs;
+    `on_policy` whether the completions are the student's (None: the step's draw)."""
+    on = self._on_policy(state) if on_policy is None else on_policy
     update = dict(jax.lax.stop_gradient(self.completions(state, batch, on_policy=on)))
     update[TEACHER] = jax.lax.stop_gradient(self.teacher_logps(state, update["inputs"]))
     rows = update["inputs"].shape[0]
@@ -252,19 +253,14 @@ class DistillationTrainer(LanguageModelTrainer):
   def _student(self, state, update: Batch):
     outputs, _ = self.apply_model(state.params, state.model_state, update,
                                   rngs=self.step_rngs(jax.random.PRNGKey(0)), train=False)
-    return outputs.logits if hasattr(outputs, "logits") else outputs
+    return logits_of(outputs)
 
   def eval_step(self, state, batch: Batch):
     """Held-out records: the divergence and entropy on the completions a train step would
     use (the student's samples where lmbda > 0, else the records'), the reverse KL at T = 1
     on those completions, and the student's NLL of the records' completions."""
     mask = batch[MASK_KEY]
-    update = self.update_batch(state, batch) if self.distill.lmbda in (0.0, 1.0) else None
-    if update is None:  # Between: the student's samples, as lmbda = 1 would draw them.
-      update = dict(self.completions(state, batch, on_policy=True))
-      update[TEACHER] = self.teacher_logps(state, update["inputs"])
-      if state.beta is not None:
-        update[BETA] = jnp.full((mask.shape[0],), state.beta, jnp.float32)
+    update = self.update_batch(state, batch, on_policy=self.distill.lmbda > 0)
     logits = self._student(state, update)
     per_token, entropy, _ = self._terms(logits, update)
     weights = update[WEIGHTS] * mask[:, None]
@@ -300,7 +296,7 @@ class DistillationTrainer(LanguageModelTrainer):
   def plan_notes(self, abstract_state) -> list[str]:
     """The dry run's line for the teacher's bytes per device."""
     placed = self.strategy.checkpoint_target(abstract_state)
-    total, per_device = teacher_lib.teacher_bytes(placed.teacher, self.strategy)
+    total, per_device = teacher_lib.teacher_bytes(placed.teacher)
     mib = lambda b: f"{b / 2**20:,.2f} MiB"  # noqa: E731
     kind = self.distill.teacher_dtype or "its own dtype"
     return [f"  teacher           {mib(per_device)} ({self.teacher.fields['family']}, "
