@@ -303,4 +303,9 @@ def get_config() -> ml_collections.ConfigDict:
   # of the step per member), "map" (a lax.map loop), "vmap", or "" for the
   # platform's fastest (strategies.sharded_ensemble.default_loop).
   config.strategy.ensemble_loop = ""
+  # sharded_ensemble: the frozen parts every member reads from one copy (trainer.run.shared):
+  # "auto" (a LoRA/QLoRA or frozen base that init_from loads, a 'copy' reference of loaded
+  # weights, a distillation teacher), "none" (each member its own), or a comma-separated
+  # list of "base", "reference", "teacher" (each must be the same in every member).
+  config.strategy.share_frozen = "auto"
   return config

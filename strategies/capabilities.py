@@ -17,11 +17,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from strategies.tree import (
-  abstract_with_sharding,
-  first_along_leading_axis,
-  merge_along_leading_axis,
-)
+from strategies.tree import first_along_leading_axis, keypath_str, merge_along_leading_axis
 
 PyTree = Any
 
@@ -109,17 +105,23 @@ class Ensemble(abc.ABC):
 
 
 def restore_member(read: Callable[[PyTree], PyTree], target: PyTree, *, num_saved: int,
-                   member: int) -> PyTree:
+                   member: int, held_once: Callable[[str], bool] = lambda path: False
+                   ) -> PyTree:
   """Member `member` of a saved ensemble of `num_saved`, placed like `target` (one model).
 
   Args:
     read: restores the saved arrays into a tree of `ShapeDtypeStruct` leaves.
     target: a single-model strategy's `checkpoint_target`.
+    held_once: `path -> whether the ensemble saved that leaf once` (a frozen part every
+      member read, `trainer.run.shared`: no member axis).
   """
   device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-  stacked = abstract_with_sharding(target, device, (num_saved,))
-  return jax.tree.map(lambda x, t: jax.device_put(x[member], t.sharding), read(stacked),
-                      target)
+  once = jax.tree_util.tree_map_with_path(lambda p, _: held_once(keypath_str(p)), target)
+  stacked = jax.tree.map(
+      lambda o, x: jax.ShapeDtypeStruct(((), (num_saved,))[not o] + tuple(x.shape), x.dtype,
+                                        sharding=device), once, target)
+  return jax.tree.map(lambda o, x, t: jax.device_put(x if o else x[member], t.sharding),
+                      once, read(stacked), target)
 
 
 def models_named(strategy: Any) -> Callable[[np.ndarray], str]:

@@ -7,12 +7,17 @@ device, several per device (16 members on 8 devices, 4 on one device), or all
 on one. The members that share a device run either vectorised (`vmap`) or
 one after another (unrolled into the program, or a `lax.map` loop), chosen by
 `config.strategy.ensemble_loop`.
+
+A frozen part identical in every member (a LoRA base loaded from one model, a `copy`
+reference, a distillation teacher: `trainer.run.shared` decides) is held once: its leaves
+have no member axis and are replicated over the mesh, as a single data-parallel run holds
+them, and every member's step reads that one copy and leaves it as it was.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -24,11 +29,17 @@ from strategies.base import InitFn, PyTree, StepFn, Strategy, init_compiler_opti
 from strategies.capabilities import Ensemble, ensemble_size, sweep_seeds
 from strategies.mesh import BATCH_AXIS, GlobalMeshBatch
 from strategies.registry import register
-from strategies.tree import abstract_with_sharding
+from strategies.tree import keypath_str
 
 ENSEMBLE, DATA = "ensemble", BATCH_AXIS  # DATA: BatchNorm(axis_name="batch") reduces over it.
 MEMBERS = "members"  # The vmap axis over the members that share a device.
 LOOPS = ("unroll", "map", "vmap")
+
+
+def held_once(x) -> bool:
+  """Whether a placed ensemble state's leaf is held once (no member axis, `share`)."""
+  spec = getattr(getattr(x, "sharding", None), "spec", (ENSEMBLE,))
+  return not (len(spec) and spec[0] == ENSEMBLE)
 
 
 def default_loop(platform: str) -> str:
@@ -95,7 +106,11 @@ class ShardedEnsemble(Ensemble, GlobalMeshBatch, Strategy):
     self.members_per_device = num_members // ensemble_devices
     self.mesh = Mesh(np.array(devices[:math.prod(shape)]).reshape(shape), (ENSEMBLE, DATA))
     self._member_sharding = NamedSharding(self.mesh, PartitionSpec(ENSEMBLE))
+    self._shared_sharding = NamedSharding(self.mesh, PartitionSpec())
     self._batch_sharding = NamedSharding(self.mesh, PartitionSpec(DATA))
+    #: `state path -> held once`, the paths `/`-joined (`params/blocks/attn/kernel`); set
+    #: by `share` before a state is made or restored. None: every leaf is per member.
+    self.shared: Callable[[str], bool] | None = None
 
   @classmethod
   def from_config(cls, config: ml_collections.ConfigDict) -> ShardedEnsemble:
@@ -111,8 +126,39 @@ class ShardedEnsemble(Ensemble, GlobalMeshBatch, Strategy):
 
   # -- Placement -----------------------------------------------------------------
 
-  def _over_local_members(self, fn: StepFn, loop: str) -> StepFn:
-    """`fn(member_state, *inputs)` applied to each member a device holds (the same inputs)."""
+  def share(self, shared: Callable[[str], bool] | None) -> None:
+    """Holds the state leaves whose paths `shared` accepts once, for every member."""
+    self.shared = shared
+
+  def member_mask(self, tree: PyTree) -> PyTree:
+    """Per leaf of a state (or an abstract one): whether it has the member axis."""
+    if self.shared is None:
+      return jax.tree.map(lambda _: True, tree)
+    return jax.tree_util.tree_map_with_path(
+        lambda p, _: not self.shared(keypath_str(p, drop_box=True)), tree)
+
+  def _over_local_members(self, fn: StepFn, loop: str, mask: PyTree = None,
+                          returns_state: bool = False) -> StepFn:
+    """`fn(member_state, *inputs)` applied to each member a device holds (the same inputs).
+
+    `mask` (`member_mask` of the state): the leaves without it are one copy, which every
+    member reads; with `returns_state`, the new state's are that copy, unchanged."""
+    leaves = jax.tree.leaves(mask) if mask is not None else []
+    if all(leaves):
+      stepped = self._over_members(fn, loop)
+    else:
+      stepped = self._over_members_sharing(fn, loop, mask)
+    if all(leaves) or not returns_state:
+      return stepped
+
+    def keeping_shared(state, *inputs):
+      new, *rest = stepped(state, *inputs)
+      new = jax.tree.map(lambda m, y, x: y if m else x, mask, new, state)
+      return (new, *rest)
+
+    return keeping_shared
+
+  def _over_members(self, fn: StepFn, loop: str) -> StepFn:
     if loop == "vmap":
       return lambda state, *inputs: jax.vmap(
           fn, in_axes=(0,) + (None,) * len(inputs), axis_name=MEMBERS)(state, *inputs)
@@ -126,39 +172,87 @@ class ShardedEnsemble(Ensemble, GlobalMeshBatch, Strategy):
 
     return unrolled
 
+  def _over_members_sharing(self, fn: StepFn, loop: str, mask: PyTree) -> StepFn:
+    """`_over_members` where the leaves `mask` marks False are one copy for all members."""
+    if loop == "vmap":
+      axes = jax.tree.map(lambda m: 0 if m else None, mask)
+      return lambda state, *inputs: jax.vmap(
+          fn, in_axes=(axes,) + (None,) * len(inputs), axis_name=MEMBERS)(state, *inputs)
+    if loop == "map":
+      def mapped(state, *inputs):
+        own = jax.tree.map(lambda m, x: x if m else None, mask, state)
+        def one(s):
+          return fn(jax.tree.map(lambda m, x, y: x if m else y, mask, s, state), *inputs)
+        return jax.lax.map(one, own)
+      return mapped
+
+    def unrolled(state, *inputs):
+      outs = [fn(jax.tree.map(lambda m, x, i=i: x[i] if m else x, mask, state), *inputs)
+              for i in range(self.members_per_device)]
+      return jax.tree.map(lambda *xs: jnp.stack(xs), *outs)
+
+    return unrolled
+
+  def _specs(self, state: PyTree) -> PyTree:
+    return jax.tree.map(lambda m: PartitionSpec(ENSEMBLE) if m else PartitionSpec(),
+                        self.member_mask(state))
+
+  def _shardings(self, state: PyTree) -> PyTree:
+    return jax.tree.map(lambda m: self._member_sharding if m else self._shared_sharding,
+                        self.member_mask(state))
+
   def create_state(self, init_fn: InitFn, rng: jax.Array) -> PyTree:
     rngs = self.member_rngs(rng)
     init = (jax.vmap(init_fn) if self.loop == "vmap"
             else lambda r: jax.lax.map(init_fn, r))
-    return jax.jit(init, out_shardings=self._member_sharding,
-                   compiler_options=init_compiler_options(self.mesh.devices.flat))(rngs)
+    options = init_compiler_options(self.mesh.devices.flat)
+    if self.shared is None:
+      return jax.jit(init, out_shardings=self._member_sharding, compiler_options=options)(rngs)
+    # The members' leaves from their own RNGs, the shared ones once (from member 0's; the
+    # caller loads their values): two programs, each computing only its own leaves.
+    abstract = jax.eval_shape(init_fn, rngs[0])
+    mask, shardings = self.member_mask(abstract), self._shardings(abstract)
 
-  def _compile(self, fn: StepFn, loop: str, out_specs, **jit_kwargs) -> StepFn:
+    def pick(tree, own):
+      return [x for m, x in zip(jax.tree.leaves(mask), jax.tree.leaves(tree), strict=True)
+              if m == own]
+
+    members = jax.jit(lambda r: pick(init(r), True), out_shardings=pick(shardings, True),
+                      compiler_options=options)(rngs)
+    shared = jax.jit(lambda r: pick(init_fn(r), False), out_shardings=pick(shardings, False),
+                     compiler_options=options)(rngs[0])
+    members, shared = iter(members), iter(shared)
+    return jax.tree.map(lambda m: next(members) if m else next(shared), mask)
+
+  def _compile(self, fn: StepFn, loop: str, out_specs, state: PyTree,
+               returns_state: bool = False, **jit_kwargs) -> StepFn:
+    mask, specs = self.member_mask(state), self._specs(state)
+    if returns_state:
+      out_specs = (specs, out_specs)
     per_device = jax.shard_map(
-        self._over_local_members(fn, loop), mesh=self.mesh,
-        in_specs=(PartitionSpec(ENSEMBLE), PartitionSpec(DATA)), out_specs=out_specs,
-        check_vma=False)
-    return jax.jit(per_device, in_shardings=(self._member_sharding, self._batch_sharding),
+        self._over_local_members(fn, loop, mask, returns_state), mesh=self.mesh,
+        in_specs=(specs, PartitionSpec(DATA)), out_specs=out_specs, check_vma=False)
+    return jax.jit(per_device, in_shardings=(self._shardings(state), self._batch_sharding),
                    **jit_kwargs)
 
   def compile_train_step(self, step_fn: StepFn, state: PyTree) -> StepFn:
-    del state
-    return self._compile(step_fn, self.loop, PartitionSpec(ENSEMBLE), donate_argnums=0)
+    return self._compile(step_fn, self.loop, PartitionSpec(ENSEMBLE), state,
+                         returns_state=True, donate_argnums=0)
 
   def compile_train_chunk(self, chunk_fn: StepFn, state: PyTree) -> StepFn:
-    del state
+    mask, specs = self.member_mask(state), self._specs(state)
     per_device = jax.shard_map(
-        self._over_local_members(chunk_fn, self.loop), mesh=self.mesh,
-        in_specs=(PartitionSpec(ENSEMBLE), PartitionSpec(None, DATA), PartitionSpec()),
-        out_specs=PartitionSpec(ENSEMBLE), check_vma=False)
-    return jax.jit(per_device, in_shardings=(self._member_sharding,
+        self._over_local_members(chunk_fn, self.loop, mask, returns_state=True),
+        mesh=self.mesh,
+        in_specs=(specs, PartitionSpec(None, DATA), PartitionSpec()),
+        out_specs=(specs, PartitionSpec(ENSEMBLE)), check_vma=False)
+    return jax.jit(per_device, in_shardings=(self._shardings(state),
                                              self._stacked_batch_sharding,
                                              self._replicated_sharding), donate_argnums=0)
 
   def compile_eval_step(self, eval_fn: StepFn, state: PyTree) -> StepFn:
-    del state
     # Vectorised, so that `mean_over_members` has an axis to average over.
-    return self._compile(eval_fn, "vmap", PartitionSpec(ENSEMBLE))
+    return self._compile(eval_fn, "vmap", PartitionSpec(ENSEMBLE), state)
 
   @property
   def step_sees_batch_shard(self) -> bool:
@@ -201,8 +295,26 @@ class ShardedEnsemble(Ensemble, GlobalMeshBatch, Strategy):
   # -- Host views and checkpoints ----------------------------------------------------
 
   def checkpoint_target(self, abstract_state: PyTree) -> PyTree:
-    return abstract_with_sharding(abstract_state, self._member_sharding,
-                                  leading=(self.num_members,))
+    """One model's abstract state with the member axis on every leaf but the shared ones."""
+    return jax.tree.map(
+        lambda m, x: jax.ShapeDtypeStruct(
+            ((self.num_members,) if m else ()) + tuple(x.shape), x.dtype,
+            sharding=self._member_sharding if m else self._shared_sharding),
+        self.member_mask(abstract_state), abstract_state)
+
+  def checkpoint_layout(self) -> dict:
+    layout = super().checkpoint_layout()
+    return {**layout, "shared": True} if self.shared is not None else layout
+
+  def to_canonical(self, tree: PyTree) -> PyTree:
+    """Host arrays with a member axis on every leaf: a shared leaf is seen by every member
+    (a read-only view of its one copy, `np.broadcast_to`)."""
+    host = super().to_canonical(tree)
+    if self.shared is None:
+      return host
+    return jax.tree.map(
+        lambda x, h: np.broadcast_to(h, (self.num_members,) + np.shape(h)) if held_once(x)
+        else h, tree, host)
 
   def describe(self) -> str:
     return (f"{self.name}: {self.num_members} members, mesh (ensemble="

@@ -10,8 +10,6 @@ checkpoints); `--kill_after_save_at=S` once the checkpoint of step S is complete
 the final state (checkpoint layout, the teacher included) to `--out`.
 """
 
-import argparse
-import logging
 import os
 import pathlib
 import sys
@@ -21,35 +19,21 @@ sys.path[:0] = [HERE, os.path.dirname(HERE)]
 
 import conftest  # noqa: E402,F401 -- sets the 8 fake devices before jax starts.
 import distill_setup  # noqa: E402
-import numpy as np  # noqa: E402
-from resume_run import flat  # noqa: E402
-from sweep_run import fit_killed  # noqa: E402
+from sweep_run import fit_killed, killed_run_main  # noqa: E402
 
 STEPS = 8
 
 
-def main():
-  parser = argparse.ArgumentParser()
-  parser.add_argument("--models", required=True)
-  parser.add_argument("--workdir", required=True)
-  parser.add_argument("--out", required=True)
-  parser.add_argument("--kill_at", type=int, default=-1)
-  parser.add_argument("--kill_after_save_at", type=int, default=-1)
-  args = parser.parse_args()
-  logging.getLogger().setLevel(logging.INFO)
-  for noisy in ("absl", "jax", "orbax"):
-    logging.getLogger(noisy).setLevel(logging.WARNING)
+def run(args):
   from trainer.distill import DistillationTrainer
   from trainer.distill import data as distill_data
   config = distill_setup.config(pathlib.Path(args.models), "llama", "fsdp",
                                 num_train_steps=STEPS, **{"distill.lmbda": 0.5})
   trainer = DistillationTrainer(config)
-  result = fit_killed(trainer, distill_data.from_config(config), num_steps=STEPS,
-                      workdir=args.workdir, kill_at=args.kill_at,
-                      kill_after_save_at=args.kill_after_save_at)
-  np.savez(args.out, **flat(trainer.strategy.checkpoint_state(result.state)))
-  print(f"finished at step {result.step}", flush=True)
+  return trainer, fit_killed(trainer, distill_data.from_config(config), num_steps=STEPS,
+                             workdir=args.workdir, kill_at=args.kill_at,
+                             kill_after_save_at=args.kill_after_save_at)
 
 
 if __name__ == "__main__":
-  main()
+  killed_run_main(run, models="the directory of distill_setup.save_models")

@@ -86,6 +86,27 @@ def fit_killed(trainer, batches, *, num_steps: int, workdir: str, kill_at: int =
     checkpointer.close()
 
 
+def killed_run_main(run, **extra: str) -> None:
+  """The entry point of a resume-test script: `--workdir`, `--out`, `--kill_at`,
+  `--kill_after_save_at` and the `extra` flags (name -> help) parsed, logging quieted;
+  `run(args) -> (trainer, result)` trains (by `fit_killed`); the final state (checkpoint
+  layout) is written to `--out`."""
+  parser = argparse.ArgumentParser()
+  parser.add_argument("--workdir", required=True)
+  parser.add_argument("--out", required=True)
+  parser.add_argument("--kill_at", type=int, default=-1)
+  parser.add_argument("--kill_after_save_at", type=int, default=-1)
+  for name, text in extra.items():
+    parser.add_argument(f"--{name}", required=True, help=text)
+  args = parser.parse_args()
+  logging.getLogger().setLevel(logging.INFO)
+  for noisy in ("absl", "jax", "orbax"):
+    logging.getLogger(noisy).setLevel(logging.WARNING)
+  trainer, result = run(args)
+  np.savez(args.out, **flat(trainer.strategy.checkpoint_state(result.state)))
+  print(f"finished at step {result.step}", flush=True)
+
+
 class KillingCheckpointer(Checkpointer):
   """Dies by SIGKILL once the save of one step is complete."""
 

@@ -310,6 +310,8 @@ def test_a_sweep_over_beta_trains_each_member_as_its_own_run(models):
   config.sweep.metric = "loss"
   trainer = DistillationTrainer(config)
   swept = trainer.fit(data.from_config(config), num_steps=2)
+  from strategies.sharded_ensemble import held_once
+  assert all(held_once(x) for x in jax.tree.leaves(swept.state.teacher))  # One teacher.
   members = jax.device_get(trainer.strategy.to_canonical(swept.state).params)
   for i, beta in enumerate((0.0, 1.0)):
     single = distill_setup.config(models, "llama", optimizer="sgd", learning_rate=0.5,

@@ -15,6 +15,7 @@ import preference_files as pf
 import pytest
 
 from configs import preference
+from strategies.sharded_ensemble import held_once
 from trainer.data.records import CorpusError
 from trainer.preference import PreferenceTrainer
 from trainer.preference import data as pdata
@@ -230,6 +231,8 @@ def test_a_sweep_over_beta_trains_each_member_as_its_own_run(files):
   trainer = PreferenceTrainer(config)
   stream = pdata.from_config(config)
   swept = trainer.fit(stream, num_steps=2)
+  # The copy reference (of the one seed's weights) is held once for both members.
+  assert all(held_once(x) for x in jax.tree.leaves(swept.state.reference))
   members = jax.device_get(trainer.strategy.to_canonical(swept.state).params)
   for i, beta in enumerate((0.1, 0.5)):
     single = tiny_config(files, **{"preference.beta": beta})

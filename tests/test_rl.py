@@ -202,7 +202,8 @@ def test_a_run_killed_at_and_past_a_checkpoint_redraws_its_rollouts_bitwise_equa
 
 
 def test_a_sweep_over_the_learning_rate_trains_each_member_as_its_own_run(task):
-  """One ensemble program (each member's prompts split over 4 data devices) ends where
+  """One ensemble program (each member's prompts split over 4 data devices, one reference
+  copy for both: beta > 0) ends where
   each member's own single-device run ends: the same rollouts (a row's key is its index
   in the global batch), the same updates. SGD: its update is linear in the gradient, so
   the members' difference stays the gradients' float noise times the rate."""
@@ -212,7 +213,7 @@ def test_a_sweep_over_the_learning_rate_trains_each_member_as_its_own_run(task):
   from trainer.rl import data as rl_data
   rates = (0.1, 0.3)
   config = rl_config(task, optimizer="sgd", **{
-      "strategy.name": "sharded_ensemble", "ensemble_size": 0,
+      "strategy.name": "sharded_ensemble", "ensemble_size": 0, "rl.beta": 0.04,
       "strategy.ensemble_mesh_shape": (2, -1), "strategy.logical_axis_rules": ()})
   config.sweep.grid.learning_rate = rates
   config.sweep.metric, config.log_every_steps = "reward", 1
@@ -222,9 +223,11 @@ def test_a_sweep_over_the_learning_rate_trains_each_member_as_its_own_run(task):
   for step in (1, 2):  # Each member's train reward, under its label; their mean is the run's.
     each = [sink.scalars[step][f"train/learning_rate={r:g}/reward"] for r in rates]
     np.testing.assert_allclose(np.mean(each), sink.scalars[step]["train/reward"], rtol=1e-6)
+  from strategies.sharded_ensemble import held_once
+  assert all(held_once(x) for x in jax.tree.leaves(swept.state.reference))  # One reference.
   members = jax.device_get(trainer.strategy.to_canonical(swept.state).params)
   for i, rate in enumerate(rates):
-    single = rl_config(task, optimizer="sgd", learning_rate=rate)
+    single = rl_config(task, optimizer="sgd", learning_rate=rate, **{"rl.beta": 0.04})
     result = RLTrainer(single).fit(rl_data.from_config(single), num_steps=2)
     jax.tree.map(lambda m, s, i=i: np.testing.assert_allclose(m[i], s, rtol=1e-5, atol=1e-6),
                  members, jax.device_get(result.state.params))

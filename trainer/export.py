@@ -1,7 +1,7 @@
 r"""Writes a run's model as a Hugging Face checkpoint: `config.json` + `model.safetensors`.
 
     python -m trainer.export --workdir=/tmp/finetune --out=/tmp/finetune_hf \
-        [--step=N] [--member=i] [--config=RUN_CONFIG.json] [--dtype=bfloat16]
+        [--step=N] [--member=i] [--config=RUN_CONFIG.json] [--dtype=bfloat16] [--adapters]
 
 The checkpoint may come from any strategy (an ensemble's or a sweep's: pick the
 member with `--member`); the model must be of a family with a mapping
@@ -14,7 +14,8 @@ weights first. The run's tokenizer (`config.data.tokenizer`, else the model dire
 started from) is copied beside the weights with its chat template, and
 `generation_config.json` names its EOS. `transformers`'
 `AutoModelForCausalLM.from_pretrained(out)` and `AutoTokenizer.from_pretrained(out)` load
-the result.
+the result. `--adapters` writes the LoRA adapters alone in PEFT's format instead
+(`trainer.interop.peft`), which `peft.PeftModel.from_pretrained` loads onto the base.
 """
 
 from __future__ import annotations
@@ -40,6 +41,9 @@ def _define_flags() -> None:
                       "<workdir>/config.json).")
   flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16", "float16"],
                     "The dtype of the written tensors.")
+  flags.DEFINE_bool("adapters", False, "Write the LoRA adapters alone in PEFT's format "
+                    "(adapter_config.json + adapter_model.safetensors) instead of the "
+                    "merged model.")
 
 def run_config(workdir: str, config_path: str | None) -> dict[str, Any]:
   """The run's config as a dict, from `config_path` or `<workdir>/config.json`."""
@@ -54,10 +58,11 @@ def run_config(workdir: str, config_path: str | None) -> dict[str, Any]:
 
 def export_checkpoint(workdir: str, out: str, *, step: int = -1, member: int = -1,
                       config: dict[str, Any], dtype: str = "float32",
-                      tokenizer: str | None = None) -> list[str]:
+                      tokenizer: str | None = None, adapters: bool = False) -> list[str]:
   """Exports checkpoint `step` of `workdir` (member `member` of an ensemble) to `out`, with
   the tokenizer (`tokenizer`, else the run's, where its files still exist:
-  `write_tokenizer`); returns the HF tensor names written.
+  `write_tokenizer`); returns the HF tensor names written. `adapters`: the LoRA adapters
+  alone, in PEFT's format (`trainer.interop.peft`), instead of the merged model.
 
   Raises:
     ValueError: no checkpoint, an ensemble without `member`, a model of no mapped family,
@@ -86,6 +91,10 @@ def export_checkpoint(workdir: str, out: str, *, step: int = -1, member: int = -
   spec = dict(config["lora"]) if "lora" in config else {}
   if spec.get("base_dtype") in quantized_base.QTYPES:  # The dequantized base, then adapters.
     values = quantized_base.dequantized_values(values, spec["base_dtype"])
+  if adapters:  # The adapters alone, for PEFT onto the base the run started from.
+    from trainer.interop import peft
+    return peft.export_adapters(values, model, spec, out, dtype=dtype,
+                                base=config["init_from"]["path"] or None)
   values = lora.merged(values, spec)
   names = hf.export(values, model, out, dtype=dtype)
   tokenizer = tokenizer or _run_tokenizer(config)
@@ -148,7 +157,12 @@ def main(argv):
   devices.initialize(1)
   names = export_checkpoint(FLAGS.workdir, FLAGS.out, step=FLAGS.step, member=FLAGS.member,
                             config=run_config(FLAGS.workdir, FLAGS.config),
-                            dtype=FLAGS.dtype)
+                            dtype=FLAGS.dtype, adapters=FLAGS.adapters)
+  if FLAGS.adapters:
+    from trainer.interop import peft
+    print(f"wrote {len(names)} tensors to {os.path.join(FLAGS.out, peft.WEIGHTS)} "
+          f"and {os.path.join(FLAGS.out, peft.CONFIG)}")
+    return
   print(f"wrote {len(names)} tensors to {os.path.join(FLAGS.out, 'model.safetensors')} "
         f"and {os.path.join(FLAGS.out, 'config.json')}, and the tokenizer's files")
 

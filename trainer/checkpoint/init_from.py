@@ -35,11 +35,9 @@ from the restored parameters (and so does the recipe's state, an EMA of them).
 from __future__ import annotations
 
 import dataclasses
-import functools
-import logging
 import os
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -49,8 +47,8 @@ import orbax.checkpoint as ocp
 from etils import epath
 from flax import serialization
 
-from strategies.tree import key_name, keypath_str, to_host
-from trainer.checkpoint.source import Flat, Source
+from strategies.tree import key_name
+from trainer.checkpoint.source import Flat, Source, leaf_name
 from trainer.checkpoint.store import LAYOUT_ITEM, STATE_ITEM, Checkpointer, CheckpointError
 
 PyTree = Any
@@ -58,12 +56,7 @@ PyTree = Any
 IDENTITY = ((".*", r"\g<0>"),)
 
 
-def _name(path: tuple) -> str:
-  """A leaf's `/`-joined path (`keypath_str`); Flax's logical-axis box field is left out
-  also where saving made it a dict key (`.../value`), so boxed and plain trees name a
-  parameter alike."""
-  name = keypath_str(path)
-  return name.removesuffix("/value")
+_name = leaf_name  # A leaf's path, as every rule names it.
 
 
 def _flatten(tree: PyTree) -> dict[str, Any]:
@@ -135,7 +128,9 @@ def _at(tree: Any, keys: tuple) -> Any:
 
 
 def _orbax_source(directory: str, description: str, num_members: int, *,
-                  linen: bool) -> Source:
+                  linen: bool, held_once: tuple[str, ...] = ()) -> Source:
+  """`held_once`: the saved paths an ensemble held once for every member (no member axis;
+  seen here with one, as every member's)."""
   handler = ocp.PyTreeCheckpointHandler()
   path = epath.Path(directory)
   try:
@@ -164,11 +159,21 @@ def _orbax_source(directory: str, description: str, num_members: int, *,
     except Exception as e:
       raise CheckpointError(f"config.init_from.path: reading {description} failed "
                             f"({type(e).__name__}: {e}).") from e
-    return {name: {p: np.asarray(_at(restored, keys[name][p])) for p in paths}
-            for name, paths in wanted.items()}
+    return {name: {p: once(name, p, np.asarray(_at(restored, keys[name][p])))
+                   for p in paths} for name, paths in wanted.items()}
+
+  held = set(held_once)
+
+  def members(name, p) -> tuple[int, ...]:  # A part every member read: one copy, no axis.
+    return (num_members,) if "/".join(keys[name][p]).removesuffix("/value") in held else ()
+
+  def once(name, p, x):  # That copy as each member's.
+    return np.broadcast_to(x, members(name, p) + np.shape(x)) if members(name, p) else x
 
   return Source(description, num_members,
-                {name: _shapes(_at(tree, prefix)) for name, prefix in where.items()}, read)
+                {name: {p: members(name, p) + shape
+                        for p, shape in _shapes(_at(tree, prefix)).items()}
+                 for name, prefix in where.items()}, read)
 
 
 def _msgpack_source(path: str, *, linen: bool) -> Source:
@@ -226,7 +231,8 @@ def open_source(path: str, *, step: int = -1, linen: bool = True) -> Source:
   layout = checkpointer.layout(step)
   return _orbax_source(os.path.join(checkpointer.step_dir(step), STATE_ITEM),
                        f"checkpoint step {step} in {root} (written by {layout.get('strategy')!r})",
-                       int(layout["num_members"]), linen=linen)
+                       int(layout["num_members"]), linen=linen,
+                       held_once=tuple(layout.get("held_once", ())))
 
 
 @dataclasses.dataclass
@@ -385,113 +391,8 @@ def _member(member: int, source: Source, num_members: int) -> int | None:
   return None
 
 
-def _reader(plan_: Plan, collection: str, path: str, *, num_members: int,
-            whole: Flat | None) -> Callable[[tuple], np.ndarray]:
-  """`index of the new array -> its values`: the source's slice of the old array that
-  `path` comes from, with the member axis picked or broadcast as the plan says.
-
-  Args:
-    whole: a source without slices, read whole (None: the source reads slices).
-  """
-  source, old = plan_.source, plan_.mapped[collection][path]
-
-  def read_source(index):
-    if whole is None:
-      return source.read_slice(collection, old, index)
-    return whole[collection][old][tuple(index)]
-
-  def read(index):  # `index` in the source's axes (its member axis included).
-    if path not in plan_.padded.get(collection, {}):
-      return read_source(index)
-    axis, rows, new_rows = plan_.padded[collection][path]
-    axis += 1 if source.num_members else 0
-    index = list(index) + [slice(None)] * (axis + 1 - len(index))
-    start, stop, _ = index[axis].indices(new_rows)
-    index[axis] = slice(min(start, rows), min(stop, rows))
-    x = read_source(tuple(index))
-    width = [(0, 0)] * x.ndim
-    width[axis] = (0, stop - start - x.shape[axis])  # The padded rows: zeros.
-    return np.pad(x, width)
-
-  def sliced(index):
-    index = tuple(index)
-    if plan_.member is not None:  # Member m of a saved ensemble into each model.
-      m = plan_.member
-      if num_members:
-        x = read((slice(m, m + 1),) + index[1:])
-        return np.broadcast_to(x, (len(range(*index[0].indices(num_members))),) + x.shape[1:])
-      return read((slice(m, m + 1),) + index)[0]
-    if num_members and not source.num_members:  # One model starts every member.
-      x = read(index[1:])
-      return np.broadcast_to(x[None], (len(range(*index[0].indices(num_members))),) + x.shape)
-    return read(index)
-
-  return sliced
-
-
-def _whole(plan_: Plan) -> Flat | None:
-  """A source that cannot read slices, read whole (None: it reads slices)."""
-  if plan_.source.read_slice is not None:
-    return None
-  return plan_.source.read({c: sorted(set(m.values())) for c, m in plan_.mapped.items() if m})
-
-
-def placed(plan_: Plan, collection: str, tree: PyTree, targets: PyTree, *,
-           num_members: int, whole: Flat | None | bool = False) -> PyTree:
-  """`tree` (placed arrays of `collection`) with the variables `plan_` maps read from its
-  source, each device's part on its own (a quantized weight from the blocks that cover
-  it); the others keep their values. `targets`: the arrays' checkpoint targets; `whole`:
-  the source read whole (`False`: read here where it cannot read slices)."""
-  from trainer.step.quantized_base import is_quantized, quantized_from
-
-  if whole is False:
-    whole = _whole(plan_)
-
-  def leaf(path, x, t):
-    name = _name(path)
-    if is_quantized(x):  # Quantized here, a shard's whole blocks at a time.
-      if name not in plan_.mapped.get(collection, {}):
-        return jax.tree.map(lambda y, u: leaf(path, y, u), x, t)
-      read = _reader(plan_, collection, name, num_members=num_members, whole=whole)
-      return quantized_from(read, x, t)
-    if name in plan_.mapped.get(collection, {}):
-      read = _reader(plan_, collection, name, num_members=num_members, whole=whole)
-      return jax.make_array_from_callback(
-          t.shape, t.sharding, lambda index: np.asarray(read(index), dtype=t.dtype))
-    host = to_host(x)  # A fresh variable keeps its initial value.
-    return jax.make_array_from_callback(t.shape, t.sharding, lambda index: host[index])
-  return jax.tree_util.tree_map_with_path(leaf, tree, targets, is_leaf=is_quantized)
-
-
-def start_from(plan_: Plan, strategy: Any, state: PyTree, abstract_state: PyTree,
-               rebuild: Callable[[PyTree, PyTree, jax.Array], PyTree], *,
-               linen: bool) -> PyTree:
-  """The placed state of a fresh run whose variables `plan_` partly loads.
-
-  Each loaded array is made on the devices from the source's slices, one device's part
-  at a time (`jax.make_array_from_callback`), so a source that reads slices (an HF
-  checkpoint) never puts a whole sharded array on the host; the new optimizer and recipe
-  state are computed on the devices, in the strategy's layout.
-
-  Args:
-    state: the fresh placed state (its other variables, its RNG).
-    abstract_state: one model's abstract state (the checkpoint target's shapes).
-    rebuild: `(params, model_state, rng) -> a fresh state of one model` (the optimizer's
-      and the recipe's state start again from the loaded values).
-  """
-  num_members = strategy.checkpoint_layout()["num_members"]
-  target = strategy.checkpoint_target(abstract_state)
-  current = strategy.checkpoint_state(state)
-  place = functools.partial(placed, plan_, num_members=num_members, whole=_whole(plan_))
-  params = place("params", current.params, target.params)
-  if linen:
-    model_state = {c: place(c, tree, target.model_state[c])
-                   for c, tree in dict(current.model_state or {}).items()}
-  else:
-    model_state = place("model_state", current.model_state, target.model_state)
-  rng = place("rng", current.rng, target.rng)
-  fresh = jax.vmap(rebuild) if num_members else rebuild
-  shardings = jax.tree.map(lambda t: t.sharding, target)
-  rebuilt = jax.jit(fresh, out_shardings=shardings)(params, model_state, rng)
-  logging.info("init_from: %s", plan_.describe())
-  return strategy.from_checkpoint(rebuilt)
+def __getattr__(name: str) -> Any:
+  if name in ("placed", "start_from"):  # Moved: named, not imported (no import cycle).
+    raise AttributeError(f"trainer.checkpoint.init_from.{name} is now "
+                         f"trainer.checkpoint.loading.{name}")
+  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -18,6 +18,7 @@ from flax import serialization
 
 from strategies import Strategy
 from strategies.capabilities import restore_member
+from strategies.tree import keypath_str
 from trainer.checkpoint.store import Checkpointer, CheckpointError
 from trainer.data import positions
 
@@ -66,8 +67,14 @@ def save_run(checkpointer: Checkpointer, strategy: Strategy, run: RunState) -> N
   data = run.data
   if positions.is_process_local(data):
     data = positions.gather_state(data)
-  checkpointer.save(run.step, strategy.checkpoint_state(run.state),
-                    {**strategy.checkpoint_layout(), "shape": run_shape(strategy)},
+  state = strategy.checkpoint_state(run.state)
+  layout = strategy.checkpoint_layout()
+  if layout.get("shared"):  # The leaves an ensemble holds once are saved once.
+    from strategies.sharded_ensemble import held_once
+    layout["held_once"] = sorted(
+        keypath_str(p).removesuffix("/value")
+        for p, x in jax.tree_util.tree_leaves_with_path(state) if held_once(x))
+  checkpointer.save(run.step, state, {**layout, "shape": run_shape(strategy)},
                     metrics=run.metrics, action_states=run.actions, data_state=data)
 
 
@@ -105,6 +112,14 @@ def restore_run(checkpointer: Checkpointer, strategy: Strategy, abstract_state: 
           f"{strategy.name!r} holds one model; pass member=i with 0 <= i < {saved} (got "
           f"{member}) to restore one of them.")
     restored = _restore_member(checkpointer, step, target, num_saved=saved, member=member)
+  elif saved and layout.get("shared", False) != strategy.checkpoint_layout().get("shared",
+                                                                                False):
+    held = "holds" if layout.get("shared") else "does not hold"
+    raise CheckpointError(
+        f"checkpoint {where} {held} its frozen parts once for all members, and this run "
+        f"{'does' if not layout.get('shared') else 'does not'}: config.strategy.share_frozen "
+        f"(and what it can share) must be as when it was written "
+        f"({'auto' if layout.get('shared') else 'none'}), or restore one member.")
   elif saved != ours:
     raise CheckpointError(
         f"checkpoint {where} holds {_models(saved)} (written by {layout.get('strategy')!r}) "
@@ -129,15 +144,21 @@ def _restore_member(checkpointer: Checkpointer, step: int, target: PyTree, *, nu
   """
   read = lambda t: checkpointer.restore(step, t)  # noqa: E731
   wanted = serialization.to_state_dict(target)
-  saved_opt = checkpointer.saved_arrays(step).get("opt_state")
+  arrays = checkpointer.saved_arrays(step)
+  ranks = {keypath_str(p): len(m.shape) for p, m in jax.tree_util.tree_leaves_with_path(
+      arrays, is_leaf=lambda m: hasattr(m, "shape"))}
+  rank = {keypath_str(p): len(t.shape) for p, t in jax.tree_util.tree_leaves_with_path(wanted)}
+  # A frozen part the ensemble held once was saved without the member axis.
+  once = lambda path: ranks.get(path) == rank.get(path)  # noqa: E731
+  saved_opt = arrays.get("opt_state")
   if not (isinstance(saved_opt, Mapping) and "inner_state" in saved_opt
           and "inner_state" not in wanted["opt_state"]):
-    return restore_member(read, target, num_saved=num_saved, member=member)
+    return restore_member(read, target, num_saved=num_saved, member=member, held_once=once)
   from trainer.sweep.optimizer import single_model_opt_state
   device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
   as_saved = {**wanted, "opt_state": jax.tree.map(
       lambda m: jax.ShapeDtypeStruct(tuple(m.shape[1:]), m.dtype, sharding=device), saved_opt)}
-  one = restore_member(read, as_saved, num_saved=num_saved, member=member)
+  one = restore_member(read, as_saved, num_saved=num_saved, member=member, held_once=once)
   try:
     opt_state = single_model_opt_state(one["opt_state"], wanted["opt_state"])
   except ValueError as e:

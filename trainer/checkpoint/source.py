@@ -16,6 +16,14 @@ import numpy as np
 Flat = dict[str, dict[str, Any]]
 
 
+def leaf_name(path: tuple) -> str:
+  """A leaf's `/`-joined path (`keypath_str`); Flax's logical-axis box field is left out
+  also where saving made it a dict key (`.../value`), so boxed and plain trees name a
+  parameter alike."""
+  from strategies.tree import keypath_str
+  return keypath_str(path).removesuffix("/value")
+
+
 @dataclasses.dataclass
 class Source:
   """What `init_from.path` holds: array metadata per collection, and how to read them.

@@ -8,7 +8,7 @@ its vocabulary must be the student's (refused before compute, naming both sizes)
 Its variables are a field of the train state (`DistillTrainState.teacher`), made by the
 teacher module's own init inside the state's init, so the strategy lays them out by the
 run's rule table as it lays out the student's; then the source's arrays replace them,
-each device's part read on its own (`trainer.checkpoint.init_from.placed`). They are never
+each device's part read on its own (`trainer.checkpoint.loading.placed`). They are never
 differentiated nor updated, and they are checkpointed with the state: a resumed run reads
 them back from its checkpoint, not from the source.
 
@@ -121,7 +121,8 @@ class Teacher:
     Raises:
       ValueError: the source's arrays do not match the teacher's (path or shape).
     """
-    from trainer.checkpoint import init_from
+    from trainer.checkpoint import init_from, loading
+    from trainer.run import shared
 
     source = init_from.open_source(self.path)
     num_members = strategy.checkpoint_layout()["num_members"]
@@ -133,8 +134,9 @@ class Teacher:
                           num_members=num_members, vocab=init_from.vocab_axes(abstract))
     target = strategy.checkpoint_target(abstract_state)
     current = strategy.checkpoint_state(state)
-    teacher = init_from.placed(plan, "params", current.teacher, target.teacher,
-                               num_members=num_members)
+    teacher = loading.placed(plan, "params", current.teacher, target.teacher,
+                               num_members=num_members,
+                               held_once=shared.held_once(strategy, "teacher"))
     return strategy.from_checkpoint(current.replace(teacher=teacher))
 
 

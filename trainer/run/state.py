@@ -19,7 +19,8 @@ import ml_collections
 
 from strategies import Strategy
 from strategies.base import init_compiler_options
-from trainer.checkpoint import Checkpointer, RunState, init_from, restore_run
+from trainer.checkpoint import Checkpointer, RunState, init_from, loading, restore_run
+from trainer.run import shared
 from trainer.step.functions import StepFunctions
 from trainer.step.recipe import Recipe
 from trainer.sweep.members import Sweep
@@ -54,6 +55,7 @@ class States:
     #: `config.init_from`'s source, opened (None: off).
     self.source = (init_from.open_source(spec.path, step=spec.step, linen=linen)
                    if spec.path else None)
+    shared.requested(config)  # `config.strategy.share_frozen` checked before compute.
     self._example: Batch | None = None  # The batch the last state was made or restored for.
     self._init_members: Callable[[jax.Array], PyTree] | None = None
 
@@ -64,17 +66,12 @@ class States:
       rng = jax.random.PRNGKey(self.config.seed)
     self._example = example_batch
     init_fn = self.steps.init_fn(example_batch)
-    if self.source is not None:  # The rules are checked before anything is computed.
-      abstract = jax.eval_shape(init_fn, rng)
-      plan = init_from.plan(
-          self.config, self.source,
-          init_from.variables_by_collection(abstract.params, abstract.model_state,
-                                            linen=self.linen),
-          num_members=self.strategy.checkpoint_layout()["num_members"],
-          vocab=init_from.vocab_axes(abstract.params))
+    # The rules are checked before anything is computed.
+    abstract = jax.eval_shape(init_fn, rng)
+    plan = self._share(abstract)
     state = self.strategy.create_state(init_fn, rng)
     if self.source is not None:
-      state = init_from.start_from(plan, self.strategy, state, abstract, self._fresh,
+      state = loading.start_from(plan, self.strategy, state, abstract, self._fresh,
                                    linen=self.linen)
     if self.sweep is not None:  # Each member's own hyperparameters into its optimizer.
       state = place_hyperparameters(state, self.sweep)
@@ -91,7 +88,8 @@ class States:
     if self._example is None:
       raise ValueError("States.init_members needs the batch shapes of a state made or "
                        "restored before (init or restore).")
-    if self.source is not None:  # `init_from` starts each member from loaded variables.
+    if self.source is not None or getattr(self.strategy, "shared", None) is not None:
+      # `init_from` starts each member from loaded variables; the parts held once stay one.
       saved, self.strategy.member_seeds = self.strategy.member_seeds, list(seeds)
       try:
         return self.init(self._example)
@@ -108,8 +106,31 @@ class States:
         params=params, model_state=model_state, rng=rng))
 
   def abstract(self, example_batch: Batch) -> PyTree:
-    """One model's state as shapes and dtypes, for batches shaped like `example_batch`."""
-    return jax.eval_shape(self.steps.init_fn(example_batch), jax.random.PRNGKey(0))
+    """One model's state as shapes and dtypes, for batches shaped like `example_batch`
+    (the strategy told which of its frozen parts are held once, `trainer.run.shared`)."""
+    abstract = jax.eval_shape(self.steps.init_fn(example_batch), jax.random.PRNGKey(0))
+    self._share(abstract)
+    return abstract
+
+  def _share(self, abstract: PyTree) -> init_from.Plan | None:
+    """`config.init_from`'s plan for `abstract` (None: off), after telling an ensemble
+    strategy that can share which leaves it holds once.
+
+    Raises:
+      ValueError: `init_from`'s rules, or a part `config.strategy.share_frozen` names that
+        is not the same in every member.
+    """
+    plan = None
+    if self.source is not None:
+      plan = init_from.plan(
+          self.config, self.source,
+          init_from.variables_by_collection(abstract.params, abstract.model_state,
+                                            linen=self.linen),
+          num_members=self.strategy.checkpoint_layout()["num_members"],
+          vocab=init_from.vocab_axes(abstract.params))
+    if hasattr(self.strategy, "share"):
+      self.strategy.share(shared.sharing(self.config, abstract, plan))
+    return plan
 
   def restore(self, checkpointer: Checkpointer, example_batch: Batch, *,
               step: int | None = None, member: int | None = None) -> RunState:

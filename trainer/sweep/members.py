@@ -30,9 +30,10 @@ SETUP_FIELDS = {"beta": ("preference.beta", "distill.beta")}
 NOT_SWEPT = ("a sweep trains every member in one compiled program, so it varies the optimizer's "
              "settings (held in each member's optimizer state), a preference loss's beta (in "
              "its train state) and the seed, never what changes the program: a module "
-             "hyperparameter (a dropout rate, a width, the number of layers) is swept with one "
-             "run per value (e.g. --config.model.<field>=...), each of which may sweep the "
-             "optimizer's settings")
+             "hyperparameter (a dropout rate, a width, the number of layers, LoRA's rank: "
+             "adapters of another shape are another program over another layout) is swept "
+             "with one run per value (e.g. --config.model.<field>=...), each of which may "
+             "sweep the optimizer's settings")
 
 
 def _config_value(config: ml_collections.ConfigDict, field: str) -> Any:
@@ -153,10 +154,10 @@ class Sweep:
     if grid and points:
       raise ValueError(f"config.sweep.grid sweeps {sorted(grid)} and config.sweep.points has "
                        f"{len(points)} points; give one of them.")
-    for p in points:
-      unknown = set(p) - set(SWEPT)
+    for where, names in [("grid", set(s.grid)), *(("points", set(p)) for p in points)]:
+      unknown = names - set(SWEPT)
       if unknown:
-        raise ValueError(f"config.sweep.points has {sorted(unknown)}, which cannot be swept; "
+        raise ValueError(f"config.sweep.{where} has {sorted(unknown)}, which cannot be swept; "
                          f"the sweepable names are {sorted(SWEPT)}: {NOT_SWEPT}.")
     if s.mode not in ("min", "max"):
       raise ValueError(f"config.sweep.mode={s.mode!r} must be 'min' or 'max'.")

@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from strategies.sharded_ensemble import held_once
 from trainer.sweep.optimizer import place_rows
 from trainer.sweep.scheduler_base import Decision, Scheduler
 
@@ -39,6 +40,8 @@ def _gather(state: PyTree, fresh: PyTree, src: jax.Array, take_fresh: jax.Array)
   """Member i of the result: `fresh`'s where `take_fresh[i]`, else `state`'s member
   `src[i]`; the step counter stays `state`'s and the RNG the member's own (or fresh)."""
   def pick(x, y):
+    if held_once(x):  # A frozen part every member reads (`trainer.run.shared`).
+      return x
     mask = take_fresh.reshape((-1,) + (1,) * (x.ndim - 1))
     return jnp.where(mask, y, x[src])
 
