@@ -141,6 +141,16 @@ STAGES = {
                                                           "distill_smoke"),
                   "--steps", "0", "--timing-steps", "1", "--teacher-steps", "2"],
     },
+    "shared_lora": {  # 16 adapters over one base against stacked bases and 16 runs.
+        "gpu": ["shared_lora.py", "--devices", "1", "--layers", "12", "--embed", "768",
+                "--vocab", "32000", "--seq", "512", "--batch", "8", "--bytes-members",
+                "1,8,16,64", "--memory-gib", "80", "--max-members", "256",
+                "--timing-members", "16", "--steps", "5", "--compute-dtype", "bfloat16"],
+        "smoke": ["shared_lora.py", "--devices", "2", "--layers", "1", "--embed", "64",
+                  "--vocab", "64", "--seq", "16", "--batch", "4", "--bytes-members", "2",
+                  "--memory-gib", "0.01", "--max-members", "8", "--timing-members", "2",
+                  "--steps", "1"],
+    },
     "rl_tools": {  # Tool turns from the cache against the prefix run again; a step's parts.
         "gpu": ["rl_tools.py", "--layers", "12", "--embed", "768", "--prompts", "8", "--group",
                 "8", "--turns", "4", "--compute-dtype", "bfloat16", "--steps", "2",

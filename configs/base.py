@@ -107,6 +107,9 @@ def get_config() -> ml_collections.ConfigDict:
   config.init_from.member = -1  # An ensemble checkpoint: the member every new model takes.
   config.init_from.rules = ()
   config.init_from.fresh = ()
+  # A PEFT LoRA adapter directory (adapter_config.json + adapter_model.safetensors) whose
+  # adapters start config.lora's, over the base in init_from.path (trainer/interop/peft.py).
+  config.init_from.adapters = ""
   # LoRA (trainer/step/lora.py, Qwix's adapters; Linen models): low-rank adapters of `rank`
   # on the weights whose parameter paths the `targets` regexes match, scaled by
   # alpha / rank; every other parameter is frozen (no optimizer state). 0: off.

@@ -14,7 +14,9 @@ Variants: `full` (every weight trains, FSDP over the devices), `lora` (rank-8
 adapters on the attention and MLP kernels, everything else frozen), `qlora` (`lora`
 with the frozen base stored in NF4, data parallel) and `instruct`
 (`full` on prompt and response pairs rendered with the chat template, the loss on the
-responses: `config.data.chat`), for any of them (`--config.model.family=llama` makes
+responses: `config.data.chat`), and `lora_sweep` (`lora` over 16 learning rates as one
+`sharded_ensemble` program: 16 adapters over one copy of the frozen base,
+`trainer.run.shared`), for any of them (`--config.model.family=llama` makes
 the local base model a Llama).
 """
 
@@ -22,7 +24,7 @@ import ml_collections
 
 from configs import base, lm
 
-VARIANTS = ("full", "lora", "qlora", "instruct")
+VARIANTS = ("full", "lora", "qlora", "instruct", "lora_sweep")
 
 
 def get_config(variant: str = "full") -> ml_collections.ConfigDict:
@@ -57,7 +59,7 @@ def get_config(variant: str = "full") -> ml_collections.ConfigDict:
   config.strategy.mesh_shape = (-1,)
   config.strategy.mesh_axes = ("data",)
   config.strategy.logical_axis_rules = lm.rules(embed="data")
-  if variant in ("lora", "qlora"):
+  if variant in ("lora", "qlora", "lora_sweep"):
     config.lora.rank = 8
     config.lora.alpha = 16.0
     # Every attention and MLP kernel, in each family's names (GPT-2's attn/c_attn,
@@ -70,6 +72,11 @@ def get_config(variant: str = "full") -> ml_collections.ConfigDict:
     # Data parallel: the 4-bit base whole on each device (FSDP would split `embed`'s 4
     # blocks of 16 over the devices, which 8 do not divide).
     config.strategy.logical_axis_rules = lm.rules()
+  if variant == "lora_sweep":  # 16 members, 2 a device on 8, each its own adapters.
+    config.strategy.update(name="sharded_ensemble", mesh_shape=(), mesh_axes=(),
+                           logical_axis_rules=(), ensemble_mesh_shape=(-1, 1))
+    config.ensemble_size = 0
+    config.sweep.grid.learning_rate = tuple(3e-4 * 10 ** (i / 7.5) for i in range(16))
   if variant == "instruct":  # Prompt/response pairs in the chat template; responses trained.
     config.data.chat = True
   return config

@@ -227,8 +227,9 @@ class ShardedEnsemble(Ensemble, GlobalMeshBatch, Strategy):
   def _compile(self, fn: StepFn, loop: str, out_specs, state: PyTree,
                returns_state: bool = False, **jit_kwargs) -> StepFn:
     mask, specs = self.member_mask(state), self._specs(state)
-    if returns_state:
+    if returns_state:  # The new state placed as the old (a 1-device axis stays named).
       out_specs = (specs, out_specs)
+      jit_kwargs["out_shardings"] = (self._shardings(state), self._member_sharding)
     per_device = jax.shard_map(
         self._over_local_members(fn, loop, mask, returns_state), mesh=self.mesh,
         in_specs=(specs, PartitionSpec(DATA)), out_specs=out_specs, check_vma=False)
@@ -248,7 +249,9 @@ class ShardedEnsemble(Ensemble, GlobalMeshBatch, Strategy):
         out_specs=(specs, PartitionSpec(ENSEMBLE)), check_vma=False)
     return jax.jit(per_device, in_shardings=(self._shardings(state),
                                              self._stacked_batch_sharding,
-                                             self._replicated_sharding), donate_argnums=0)
+                                             self._replicated_sharding),
+                   out_shardings=(self._shardings(state), self._member_sharding),
+                   donate_argnums=0)
 
   def compile_eval_step(self, eval_fn: StepFn, state: PyTree) -> StepFn:
     # Vectorised, so that `mean_over_members` has an axis to average over.

@@ -81,6 +81,20 @@ def test_each_member_trains_as_over_stacked_copies_and_as_its_own_run(base, swep
   assert moved and all(np.abs(_leaves(shared)[p][1]).max() > 0 for p in moved)
 
 
+@pytest.mark.parametrize("loop", ["map", "vmap"])
+def test_every_loop_over_a_devices_members_reads_the_one_copy(base, swept, loop):
+  """The members a device holds, run as a `lax.map` loop or vectorised: the same training
+  as the unrolled program over stacked copies (vmap batches the products: float noise)."""
+  trainer = LanguageModelTrainer(lora_config(base, **{"strategy.ensemble_loop": loop,
+                                                      "strategy.ensemble_mesh_shape": (1, -1)}))
+  state = trainer.fit(stream, num_steps=2).state
+  assert all(held_once(x) for p, x in _leaves(state.params).items() if "_lora_" not in p)
+  stacked = swept["none"][0].strategy.to_canonical(swept["none"][1]).params
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7),
+               jax.device_get(trainer.strategy.to_canonical(state).params),
+               jax.device_get(stacked))
+
+
 def test_the_dry_run_counts_the_base_once(base):
   batch = next(stream(0))
   members = 8
@@ -141,6 +155,16 @@ def test_a_checkpoint_holds_the_base_once_resumes_and_gives_one_member(base, tmp
   theirs = _peft_logits(base, adapter, tokens)
   np.testing.assert_allclose(theirs, ours, atol=1e-4)
   assert np.abs(theirs - _hf_logits(_hf_base(base), tokens)).max() > 1e-3  # Trained.
+  # The adapter as a new run's starting point, over the same base: member 1's weights.
+  again = LanguageModelTrainer(lora_config(base, rates=(), **{
+      "init_from.adapters": str(adapter)}))
+  start = jax.device_get(again.init_state(next(stream(0))).params)
+  jax.tree.map(lambda m, s: np.testing.assert_allclose(m[1], s, rtol=1e-6, atol=1e-7),
+               members, start)
+  with pytest.raises(ValueError, match=r"config\.init_from\.adapters=.* holds adapters of "
+                                       r"r=2, lora_alpha=4\.0; set config\.lora\.rank=2"):
+    LanguageModelTrainer(lora_config(base, rates=(), **{
+        "init_from.adapters": str(adapter), "lora.rank": 4}))
 
 
 def _logits(trainer, state, tokens):
@@ -185,6 +209,10 @@ def test_gpt2_adapters_go_out_in_pefts_conv1d_layout(tmp_path):
   tokens = next(stream(0))["inputs"][:4]
   np.testing.assert_allclose(_peft_logits(gpt2, tmp_path / "adapter", tokens),
                              _logits(trainer, jax.device_get(state), tokens), atol=1e-4)
+  config.init_from.adapters = str(tmp_path / "adapter")  # Back in, as a starting point.
+  start = LanguageModelTrainer(config).init_state(next(stream(0)))
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(start.params),
+               jax.device_get(state.params))
 
 
 @pytest.mark.parametrize("overrides,match", [

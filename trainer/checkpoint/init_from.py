@@ -301,7 +301,8 @@ def plan(config: ml_collections.ConfigDict, source: Source, new: Flat, *,
   member = _member(spec.member, source, num_members)
   saved_members = source.num_members if member is not None or num_members else 0
   from trainer.step import lora
-  fresh_patterns = list(spec.fresh) + ([lora.ADAPTERS] if config.lora.rank else [])
+  fresh_patterns = list(spec.fresh) + ([lora.ADAPTERS] if config.lora.rank
+                                       and not spec.adapters else [])
   fresh_used = {p: False for p in fresh_patterns}
   rule_used = [False] * len(rules)
   mapped: dict[str, dict[str, str]] = {}

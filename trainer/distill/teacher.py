@@ -127,7 +127,8 @@ class Teacher:
     source = init_from.open_source(self.path)
     num_members = strategy.checkpoint_layout()["num_members"]
     rules = ml_collections.ConfigDict(dict(
-        init_from=dict(path=self.path, step=-1, member=-1, rules=(), fresh=()),
+        init_from=dict(path=self.path, step=-1, member=-1, rules=(), fresh=(),
+                       adapters=""),
         lora=dict(rank=1 if self.lora is not None else 0)))
     abstract = abstract_state.teacher
     plan = init_from.plan(rules, source, {"params": init_from.flat_weights(abstract)},

@@ -10,8 +10,8 @@ that tensor are `lora_A [rank, in]` and `lora_B [out, rank]`, with PEFT's scale
 positions lands on it are read off the rule's own conversion, applied to index codes, so
 the mapping is the merged export's by construction.
 
-`read_adapters` is the inverse: a PEFT adapter directory as our adapters, a run's starting
-point (`config.init_from.adapters`).
+`with_adapters` is the inverse: a PEFT adapter directory as our adapters, beside the base
+`config.init_from.path` names, a run's starting point (`config.init_from.adapters`).
 """
 
 from __future__ import annotations
@@ -55,6 +55,13 @@ def _positions(conversion: Any, shape: tuple[int, ...], inputs: int, name: str):
                    f"axes; PEFT's factors cannot hold its adapters.")
 
 
+def _conversion(mapping: Any, rule: Any, shape: tuple[int, ...]) -> Any:
+  """The rule's conversion for our one-layer weight shape `shape`."""
+  from trainer.interop import hf
+  return hf.Conversion(rule, mapping.dims, () if rule.split else tuple(
+      shape[i] for i in np.argsort(rule.perm or range(len(shape)))))
+
+
 def adapter_tensors(values: Mapping[str, np.ndarray], fields: Mapping[str, Any],
                     rank: int) -> tuple[dict[str, np.ndarray], list[str], bool]:
   """PEFT's tensors of one model's adapters (`values`: `{our path: array}`, the adapters
@@ -79,11 +86,10 @@ def adapter_tensors(values: Mapping[str, np.ndarray], fields: Mapping[str, Any],
     rule, w = rules[path], np.asarray(values[path])
     a, b = np.asarray(values[path + SUFFIX_A]), np.asarray(values[path + SUFFIX_B])
     stack = mapping.stack(rule)
-    conversion = hf.Conversion(rule, mapping.dims, () if rule.split else tuple(
-        w.shape[len(stack):][i] for i in np.argsort(rule.perm or range(w.ndim - len(stack)))))
+    shape = w.shape[len(stack):]
+    conversion = _conversion(mapping, rule, shape)
     lead = _leading_axes(w, a, b, rank)
     n_in = math.prod(a.shape[lead:-1])
-    shape = w.shape[len(stack):]
     inputs = next(k for k in range(1, len(shape) + 1) if math.prod(shape[:k]) == n_in)
     fan_in_fan_out, at_in, at_out = _positions(conversion, shape, inputs, rule.hf)
     layouts.add(fan_in_fan_out)
@@ -124,3 +130,97 @@ def export_adapters(values: Mapping[str, np.ndarray], fields: Mapping[str, Any],
   with open(os.path.join(out_dir, CONFIG), "w") as f:
     json.dump(config, f, indent=2)
   return sorted(tensors)
+
+
+def with_adapters(base: Any, directory: str, config: Any, *, linen: bool) -> Any:
+  """The `init_from` source `base` (an HF model's, `config.init_from.path`) with the PEFT
+  adapters in `directory` beside it, in our names and layouts (an NNX model's `W_lora_a
+  [*inputs, rank]` and `W_lora_b [rank, *outputs]`; Qwix's, a Linen model's, flattened over
+  the inputs and the outputs; a stacked layer's `layer` axis leading), so that a run
+  starts from base and adapters alike.
+
+  Raises:
+    ValueError: naming the field: no base, a directory that is not a PEFT LoRA adapter, a
+      rank or scale other than `config.lora`'s, or tensors no weight of the model takes.
+  """
+  import dataclasses
+
+  from safetensors.numpy import load_file
+
+  from trainer.interop import families, hf
+
+  field = f"config.init_from.adapters={directory!r}"
+  if base is None or base.num_members:
+    raise ValueError(f"{field} needs the base model the adapters go onto in "
+                     f"config.init_from.path (an HF model directory).")
+  if not all(os.path.isfile(os.path.join(directory, f)) for f in (CONFIG, WEIGHTS)):
+    raise ValueError(f"{field} holds no {CONFIG} and {WEIGHTS} (a PEFT adapter directory, "
+                     f"as `save_pretrained` or `python -m trainer.export --adapters` writes).")
+  with open(os.path.join(directory, CONFIG)) as f:
+    spec = json.load(f)
+  if spec.get("peft_type") != "LORA" or spec.get("use_dora") or spec.get("use_rslora"):
+    raise ValueError(f"{field}: a {spec.get('peft_type')} adapter (use_dora="
+                     f"{spec.get('use_dora')}, use_rslora={spec.get('use_rslora')}); plain "
+                     f"LoRA is what config.lora computes.")
+  rank, alpha = int(config.lora.rank), float(config.lora.alpha)
+  if spec.get("r") != rank or float(spec.get("lora_alpha", -1)) != alpha:
+    raise ValueError(f"{field} holds adapters of r={spec.get('r')}, lora_alpha="
+                     f"{spec.get('lora_alpha')}; set config.lora.rank={spec.get('r')} and "
+                     f"config.lora.alpha={spec.get('lora_alpha')} (now {rank}, {alpha}).")
+  tensors = load_file(os.path.join(directory, WEIGHTS))
+  fields = families.module_fields(**dict(config.model))
+  family = families.get(fields["family"], field="config.model.family")
+  mapping = hf.ResolvedRules(family, fields)
+  values, used = {}, set()
+  for rule in mapping.rules:
+    names = [f"{PREFIX}{n.removesuffix('.weight')}.lora_{{}}.weight"
+             for n in mapping.hf_names(rule, family.prefix)]
+    present = [n.format("A") in tensors for n in names]
+    if not any(present):
+      continue
+    if not all(present):
+      raise ValueError(f"{field} adapts {rule.hf} in some layers only; this model's "
+                       f"adapters cover every layer of a weight.")
+    a = [tensors[n.format("A")] for n in names]  # [rank, in]
+    b = [tensors[n.format("B")] for n in names]  # [out, rank]
+    used.update(n.format(x) for n in names for x in "AB")
+    hf_shape = ((b[0].shape[0], a[0].shape[1]) if not spec.get("fan_in_fan_out")
+                else (a[0].shape[1], b[0].shape[0]))
+    shape = hf.Conversion(rule, mapping.dims, () if rule.split else hf_shape).shape
+    n_in = a[0].shape[1]
+    inputs = next((k for k in range(1, len(shape)) if math.prod(shape[:k]) == n_in), None)
+    if inputs is None:
+      raise ValueError(f"{field}: {rule.hf}'s adapter takes {n_in} inputs, which no leading "
+                       f"axes of our {rule.ours} {shape} make.")
+    _, at_in, at_out = _positions(_conversion(mapping, rule, shape), shape, inputs, rule.hf)
+    ours_a = np.zeros((len(a), n_in, rank), a[0].dtype)
+    ours_b = np.zeros((len(b), rank, math.prod(shape[inputs:])), b[0].dtype)
+    ours_a[:, at_in, :] = np.stack([x.T for x in a])
+    ours_b[:, :, at_out] = np.stack([x.T for x in b])
+    stack = mapping.stack(rule)
+    ins, outs = ((n_in,), (ours_b.shape[-1],)) if linen else (shape[:inputs], shape[inputs:])
+    values[rule.ours + SUFFIX_A] = ours_a.reshape(stack + ins + (rank,))
+    values[rule.ours + SUFFIX_B] = ours_b.reshape(stack + (rank,) + outs)
+  left = sorted(set(tensors) - used)
+  if left or not values:
+    raise ValueError(f"{field}: {len(left)} tensor(s) go to no weight of this "
+                     f"{family.model_type} model: {left[:6]}." if left else
+                     f"{field} holds no LoRA tensors.")
+  base_read, base_slice = base.read, base.read_slice
+
+  def read(wanted):
+    ours = {c: [p for p in ps if c == "params" and p in values] for c, ps in wanted.items()}
+    out = base_read({c: [p for p in ps if p not in ours[c]] for c, ps in wanted.items()})
+    out.setdefault("params", {}).update({p: values[p] for p in ours.get("params", [])})
+    return out
+
+  def read_slice(collection, path, index):
+    if collection == "params" and path in values:
+      return values[path][tuple(index)]
+    return base_slice(collection, path, index)
+
+  arrays = {c: dict(a) for c, a in base.arrays.items()}
+  arrays.setdefault("params", {}).update({p: v.shape for p, v in values.items()})
+  return dataclasses.replace(base, description=f"{base.description} with the PEFT adapters "
+                             f"in {directory}", arrays=arrays, read=read,
+                             read_slice=read_slice if base_slice is not None else None)

@@ -55,6 +55,9 @@ class States:
     #: `config.init_from`'s source, opened (None: off).
     self.source = (init_from.open_source(spec.path, step=spec.step, linen=linen)
                    if spec.path else None)
+    if spec.adapters:  # A PEFT adapter's LoRA beside the base.
+      from trainer.interop import peft
+      self.source = peft.with_adapters(self.source, spec.adapters, config, linen=linen)
     shared.requested(config)  # `config.strategy.share_frozen` checked before compute.
     self._example: Batch | None = None  # The batch the last state was made or restored for.
     self._init_members: Callable[[jax.Array], PyTree] | None = None
