@@ -12,8 +12,8 @@ own copy, the layout before sharing).
 
 1. Dry run (`trainer.plan.make_plan`, nothing initialised), for each of `--bytes-members`
    on `--devices` devices (members split over them, `ensemble_mesh_shape = (gcd(members,
-   devices), -1)`: one member has all devices as its data axis): the parameters' bytes and the step's peak bytes on
-   the fullest device, shared against stacked.
+   devices), -1)`: one member has all devices as its data axis): the parameters' bytes and
+   the step's peak bytes on the fullest device, shared against stacked.
 2. The most members whose step fits `--memory-gib` per device (the dry run's verdict, as
    `python -m trainer.plan --memory_gib=...` gives it), doubling then bisecting.
 

@@ -322,4 +322,6 @@ class ShardedEnsemble(Ensemble, GlobalMeshBatch, Strategy):
   def describe(self) -> str:
     return (f"{self.name}: {self.num_members} members, mesh (ensemble="
             f"{self.mesh.shape[ENSEMBLE]}, data={self.mesh.shape[DATA]}), "
-            f"{self.members_per_device} member(s) per device run with {self.loop}")
+            f"{self.members_per_device} member(s) per device run with {self.loop}"
+            + (f", held once: {', '.join(getattr(self.shared, 'parts', ('frozen parts',)))}"
+               if self.shared is not None else ""))

@@ -108,6 +108,7 @@ FEW_STEPS = {
     "examples/distill_lm.py": ["--config.num_train_steps=2", "--config.log_every_steps=1",
                                "--config.schedule.warmup_steps=0", "--config.teacher.steps=2"],
     "benchmarks/distill.py": ["--steps", "2", "--timing-steps", "1", "--teacher-steps", "2"],
+    "benchmarks/shared_lora.py": _gpu_smoke_args("shared_lora"),
     "benchmarks/preference.py": ["--layers", "1", "--embed", "64", "--vocab", "64", "--seq",
                                  "32", "--pairs", "4", "--steps", "2", "--repeats", "1",
                                  "--devices", "2", "--rows", "sft,dpo copy"],
@@ -146,6 +147,9 @@ FEW_STEPS_FOR_CONFIG = {"configs/mnist_study.py": ["--config.sweep.study.n_trial
 #: runs, the command that makes it runs (with its few-step flags) unless it already has.
 MADE_BY = {
     "/tmp/finetune": ".venv/bin/python examples/finetune_lm.py --workdir=/tmp/finetune",
+    "/tmp/finetune_lora": (".venv/bin/python examples/finetune_lm.py "
+                           "--config=configs/finetune_lm.py:lora --workdir=/tmp/finetune_lora "
+                           "--config.init_from.path=/tmp/finetune/hf --text=trainer/**/*.py"),
     "/tmp/corpus": ".venv/bin/python examples/write_corpus.py --out=/tmp/corpus",
     "/tmp/my_tokenizer": (".venv/bin/python -m trainer.data.train_tokenizer "
                           "--files='/tmp/corpus/train-*.jsonl.gz' --vocab_size=1024 "
@@ -185,6 +189,7 @@ EXPECTED_OUTPUT = {
     "examples/rl_lm.py": r"^held-out mean reward: before=\d\.\d{3} after=\d\.\d{3}",
     "examples/distill_lm.py": r"^held-out reverse_kl: before=\d+\.\d{4} after=\d+\.\d{4}$",
     "benchmarks/distill.py": r"^sft step\s+\d+\.\d{4}\s+\d+\.\d{2}x$",
+    "benchmarks/shared_lora.py": r"^2 separate runs\s+\d+\.\d{5}\s+\(\d+\.\d{2}x shared's",
     "benchmarks/preference.py": r"^dpo copy\s+\d+\.\d{4}\s+\d+\.\d{2}x\s+\d+\.\d{2}$",
     "benchmarks/rl.py": r"^two-state loop\s+\d+\.\d{4}\s+\d+\s+\d+\.\d{2}x$",
     "benchmarks/rl_tools.py": r"^prefix again\s+\d+\.\d{4}\s+\d+\s+\d+\.\d{2}x$",
@@ -373,12 +378,19 @@ def command_id(command: str) -> str:
   return last_step(command).removeprefix(".venv/bin/")[:90]
 
 
-def run_and_check(command: str, runner: Runner) -> None:
-  """Runs a documented command with few steps (or serves TensorBoard) and checks its output."""
+def make_what_it_reads(command: str, runner: Runner) -> None:
+  """Runs the makers of the documented paths `command` reads that do not exist yet (and
+  theirs first: a LoRA run on the fine-tuned model)."""
   for path, maker in MADE_BY.items():
     reads = re.search(rf"[=\s'\"(]({re.escape(path)})(/|\s|$)", command)
     if reads and maker != command and not runner.path(path).exists():
+      make_what_it_reads(maker, runner)
       check(maker, runner.run(maker))
+
+
+def run_and_check(command: str, runner: Runner) -> None:
+  """Runs a documented command with few steps (or serves TensorBoard) and checks its output."""
+  make_what_it_reads(command, runner)
   if script_of(command):
     script = script_of(command)
     assert script in FEW_STEPS, f"no few-step flags for {script} in doc_commands.py"

@@ -107,6 +107,28 @@ def killed_run_main(run, **extra: str) -> None:
   print(f"finished at step {result.step}", flush=True)
 
 
+def killed_and_resumed(run, tmp_path) -> dict:
+  """What the SIGKILL resume tests check, for a script `run(workdir, out, *flags) ->
+  CompletedProcess` that `killed_run_main` drives: killed right after the checkpoint of
+  step 4, then at step 7 (between checkpoints every 4), then run to its end, each time
+  resuming, its final state equals an uninterrupted run's bit for bit; returns that state."""
+  straight = run(tmp_path / "straight", tmp_path / "straight.npz")
+  assert straight.returncode == 0, straight.stderr[-3000:]
+  work, out = tmp_path / "work", tmp_path / "final.npz"
+  for kill, kill_at, resumed_at in [("kill_after_save_at", 4, 0), ("kill_at", 7, 4),
+                                    ("kill_at", -1, 4)]:
+    attempt = run(work, out, f"--{kill}={kill_at}")
+    assert attempt.returncode == (-signal.SIGKILL if kill_at > 0 else 0), \
+        attempt.stderr[-3000:]
+    if resumed_at:
+      assert f"Resuming at step {resumed_at}" in attempt.stderr
+  a, b = np.load(tmp_path / "straight.npz"), np.load(out)
+  assert sorted(a) == sorted(b)
+  for key in a:
+    np.testing.assert_array_equal(a[key], b[key], err_msg=key)  # Bit for bit.
+  return dict(a)
+
+
 class KillingCheckpointer(Checkpointer):
   """Dies by SIGKILL once the save of one step is complete."""
 

@@ -90,3 +90,35 @@ def test_the_generation_guides_hugging_face_state_generates_as_transformers(tmp_
     theirs = model(ids).logits[0].numpy()
   np.testing.assert_allclose(namespace["logits"], theirs, atol=ATOL, rtol=0)
   assert namespace["next_token"] == expected[0]
+
+
+def test_the_pretrained_guides_peft_block_loads_an_exported_adapter(tmp_path):
+  """The block that loads `--adapters`' output with PEFT, on a tiny Llama and a LoRA run
+  over it (its paths replaced by the test's): the adapted model's logits are ours."""
+  pytest.importorskip("peft")
+  import preference_files as pf
+  from shared_setup import lora_config, stream
+
+  from trainer.checkpoint import Checkpointer
+  from trainer.export import export_checkpoint
+  from trainer.language_model import LanguageModelTrainer
+  base = tmp_path / "base"
+  pf.save_model("llama", base, seed=5, jitter=0.2)
+  config = lora_config(base, rates=(), learning_rate=0.3)
+  trainer = LanguageModelTrainer(config)
+  checkpointer = Checkpointer(str(tmp_path / "ckpt"), every_steps=2, async_save=False)
+  state = trainer.fit(stream, num_steps=2, checkpointer=checkpointer).state
+  export_checkpoint(str(tmp_path / "ckpt"), str(tmp_path / "peft"), config=config.to_dict(),
+                    adapters=True)
+  code = python_block("guides/pretrained.md", "writes the run's adapters alone")
+  namespace = {}
+  exec(code.replace('"/tmp/finetune/hf"', repr(str(base))).replace(  # noqa: S102
+      '"/tmp/finetune_lora_peft"', repr(str(tmp_path / "peft"))), namespace)
+  import torch
+  tokens = next(stream(0))["inputs"][:2]
+  with torch.no_grad():
+    theirs = namespace["model"](torch.tensor(tokens, dtype=torch.long)).logits.numpy()
+  ours = jax.jit(lambda p, s: trainer.model_variables.apply(
+      p, s, ((tokens,), {}), rngs={"dropout": jax.random.PRNGKey(0)}, train=False)[0])(
+          state.params, state.model_state)
+  np.testing.assert_allclose(np.asarray(ours)[..., :pf.VOCAB], theirs, atol=1e-4)

@@ -9,7 +9,6 @@ member restores alone), and what cannot be shared is refused before compute.
 
 import json
 import pathlib
-import signal
 import subprocess
 import sys
 
@@ -18,6 +17,7 @@ import numpy as np
 import preference_files as pf
 import pytest
 from shared_setup import RATES, lora_config, stream
+from sweep_run import killed_and_resumed
 
 from strategies.sharded_ensemble import held_once
 from trainer.checkpoint import Checkpointer, CheckpointError
@@ -259,18 +259,6 @@ def test_a_sweep_killed_at_and_past_a_checkpoint_resumes_bitwise_equal(base, tmp
   """SIGKILLed right after the checkpoint of step 4, then 3 steps past it (checkpoints every
   4), rerun each time: the final state (the base held once, the adapters per member) is
   the uninterrupted run's, bit for bit."""
-  straight = _resume_run(base, tmp_path / "straight", tmp_path / "straight.npz")
-  assert straight.returncode == 0, straight.stderr[-3000:]
-  work, out = tmp_path / "work", tmp_path / "final.npz"
-  for kill, kill_at, resumed_at in [("kill_after_save_at", 4, 0), ("kill_at", 7, 4),
-                                    ("kill_at", -1, 4)]:
-    run = _resume_run(base, work, out, f"--{kill}={kill_at}")
-    assert run.returncode == (-signal.SIGKILL if kill_at > 0 else 0), run.stderr[-3000:]
-    if resumed_at:
-      assert f"Resuming at step {resumed_at}" in run.stderr
-  a, b = np.load(tmp_path / "straight.npz"), np.load(out)
-  assert sorted(a) == sorted(b)
-  kernels = [k for k in a if k.startswith(".params") and "['down_proj']['kernel']" in k]
-  assert kernels and all(a[k].ndim == 3 for k in kernels)  # [layer, mlp, embed]: held once.
-  for key in a:
-    np.testing.assert_array_equal(a[key], b[key], err_msg=key)
+  final = killed_and_resumed(lambda *a: _resume_run(base, *a), tmp_path)
+  kernels = [k for k in final if k.startswith(".params") and "['down_proj']['kernel']" in k]
+  assert kernels and all(final[k].ndim == 3 for k in kernels)  # [layer, mlp, embed]: once.

@@ -16,12 +16,12 @@ from trainer.checkpoint.source import Flat
 from trainer.checkpoint.source import leaf_name as _name
 
 if TYPE_CHECKING:
-  from trainer.checkpoint.init_from import Plan
+  from trainer.checkpoint import init_from
 
 PyTree = Any
 
 
-def _reader(plan_: Plan, collection: str, path: str, *, num_members: int,
+def _reader(plan_: init_from.Plan, collection: str, path: str, *, num_members: int,
             whole: Flat | None) -> Callable[[tuple], np.ndarray]:
   """`index of the new array -> its values`: the source's slice of the old array that
   `path` comes from, with the member axis picked or broadcast as the plan says.
@@ -65,14 +65,14 @@ def _reader(plan_: Plan, collection: str, path: str, *, num_members: int,
   return sliced
 
 
-def _whole(plan_: Plan) -> Flat | None:
+def _whole(plan_: init_from.Plan) -> Flat | None:
   """A source that cannot read slices, read whole (None: it reads slices)."""
   if plan_.source.read_slice is not None:
     return None
   return plan_.source.read({c: sorted(set(m.values())) for c, m in plan_.mapped.items() if m})
 
 
-def placed(plan_: Plan, collection: str, tree: PyTree, targets: PyTree, *,
+def placed(plan_: init_from.Plan, collection: str, tree: PyTree, targets: PyTree, *,
            num_members: int, whole: Flat | None | bool = False,
            held_once: Callable[[str], bool] = lambda name: False) -> PyTree:
   """`tree` (placed arrays of `collection`) with the variables `plan_` maps read from its
@@ -103,7 +103,7 @@ def placed(plan_: Plan, collection: str, tree: PyTree, targets: PyTree, *,
   return jax.tree_util.tree_map_with_path(leaf, tree, targets, is_leaf=is_quantized)
 
 
-def start_from(plan_: Plan, strategy: Any, state: PyTree, abstract_state: PyTree,
+def start_from(plan_: init_from.Plan, strategy: Any, state: PyTree, abstract_state: PyTree,
                rebuild: Callable[[PyTree, PyTree, jax.Array], PyTree], *,
                linen: bool) -> PyTree:
   """The placed state of a fresh run whose variables `plan_` partly loads.
