@@ -160,6 +160,11 @@ def corpus_fields() -> ml_collections.ConfigDict:
       eval_sources=(),  # Held-out files, read in order; empty: the synthetic held-out set.
       eval_text_fields=(),  # One per eval source; empty: text_field for each.
       eval_batches=4,  # Eval batches read from eval_sources.
+      # An ensemble or sweep whose members each read their own data (many tenants): one
+      # tuple of sources per member, in member order, and optionally one of held-out
+      # sources per member (trainer/data/members.py); empty: every member reads `sources`.
+      member_sources=(),
+      member_eval_sources=(),
   ))
 
 

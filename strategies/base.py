@@ -123,6 +123,18 @@ class Strategy(abc.ABC):
     On one process those are the whole batch.
     """
 
+  #: How many models' batches a host batch holds on a leading axis (an ensemble whose
+  #: members each read their own data, `config.data.member_sources`); 0: one batch, which
+  #: every model reads.
+  batch_models = 0
+
+  def model_batches(self, batch: PyTree) -> list[PyTree]:
+    """The batches the models read of a host batch: each member's own (`batch_models`),
+    or the one every model reads."""
+    if not self.batch_models:
+      return [batch]
+    return [jax.tree.map(lambda x, m=m: x[m], batch) for m in range(self.batch_models)]
+
   def put_batches(self, batches: PyTree) -> PyTree:
     """Moves several steps' batches stacked on a leading step axis (host shape
     `(steps, rows, ...)`) to devices, each step's batch laid out as `put_batch` lays it."""

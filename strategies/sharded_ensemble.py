@@ -108,6 +108,7 @@ class ShardedEnsemble(Ensemble, GlobalMeshBatch, Strategy):
     self._member_sharding = NamedSharding(self.mesh, PartitionSpec(ENSEMBLE))
     self._shared_sharding = NamedSharding(self.mesh, PartitionSpec())
     self._batch_sharding = NamedSharding(self.mesh, PartitionSpec(DATA))
+    self._member_batches = NamedSharding(self.mesh, PartitionSpec(ENSEMBLE, DATA))
     #: `state path -> held once`, the paths `/`-joined (`params/blocks/attn/kernel`); set
     #: by `share` before a state is made or restored. None: every leaf is per member.
     self.shared: Callable[[str], bool] | None = None
@@ -118,7 +119,27 @@ class ShardedEnsemble(Ensemble, GlobalMeshBatch, Strategy):
                    mesh_shape=config.strategy.ensemble_mesh_shape,
                    loop=config.strategy.ensemble_loop)
     strategy.member_seeds = sweep_seeds(config)
+    data = config.data if "data" in config else {}
+    if "member_sources" in data and len(data.member_sources):
+      strategy.read_own_batches(len(config.data.member_sources))
     return strategy
+
+  def read_own_batches(self, count: int) -> None:
+    """Each member reads its own rows: a host batch is `[members, rows, ...]`, the members
+    split over `ensemble` as their states are, each member's rows over `data`
+    (`config.data.member_sources`, `count` entries).
+
+    Raises:
+      ValueError: `count` is not the member count, or the run spans processes.
+    """
+    if count != self.num_members:
+      raise ValueError(f"config.data.member_sources has {count} entries for the "
+                       f"{self.num_members} members; give one tuple of sources per member.")
+    if jax.process_count() > 1:
+      raise ValueError("config.data.member_sources (each member its own data) runs in one "
+                       "process; a run of several processes gives every member the same "
+                       "batch.")
+    self.batch_models = self.num_members
 
   @property
   def num_data_replicas(self) -> int:
@@ -138,11 +159,19 @@ class ShardedEnsemble(Ensemble, GlobalMeshBatch, Strategy):
         lambda p, _: not self.shared(keypath_str(p, drop_box=True)), tree)
 
   def _over_local_members(self, fn: StepFn, loop: str, mask: PyTree = None,
-                          returns_state: bool = False) -> StepFn:
-    """`fn(member_state, *inputs)` applied to each member a device holds (the same inputs).
+                          returns_state: bool = False, batch_axis: int = 0) -> StepFn:
+    """`fn(member_state, *inputs)` applied to each member a device holds (the same inputs;
+    where each member reads its own batch, `batch_models`, the first input is the local
+    members' batches, member j's at index j of axis `batch_axis`).
 
     `mask` (`member_mask` of the state): the leaves without it are one copy, which every
     member reads; with `returns_state`, the new state's are that copy, unchanged."""
+    if self.batch_models:
+      return self._with_own_batches(fn, loop, mask, returns_state, batch_axis)
+    return self._over(fn, loop, mask, returns_state)
+
+  def _over(self, fn: StepFn, loop: str, mask: PyTree, returns_state: bool) -> StepFn:
+    """`_over_local_members` where every member reads the same inputs."""
     leaves = jax.tree.leaves(mask) if mask is not None else []
     if all(leaves):
       stepped = self._over_members(fn, loop)
@@ -157,6 +186,23 @@ class ShardedEnsemble(Ensemble, GlobalMeshBatch, Strategy):
       return (new, *rest)
 
     return keeping_shared
+
+  def _with_own_batches(self, fn: StepFn, loop: str, mask: PyTree, returns_state: bool,
+                        batch_axis: int) -> StepFn:
+    """`_over_local_members` where each member reads its own batch: the member's batch goes
+    in with its state, as one more leaf per member."""
+    def own_batches(state, batch, *rest):
+      batch = jax.tree.map(lambda x: jnp.moveaxis(x, batch_axis, 0), batch)
+      both = (jax.tree.map(lambda _: True, state) if mask is None else mask,
+              jax.tree.map(lambda _: True, batch))
+      stepped = self._over(lambda sb, *r: fn(sb[0], sb[1], *r), loop, both, False)
+      out = stepped((state, batch), *rest)
+      if not returns_state or mask is None:
+        return out
+      new, *others = out
+      return (jax.tree.map(lambda m, y, x: y if m else x, mask, new, state), *others)
+
+    return own_batches
 
   def _over_members(self, fn: StepFn, loop: str) -> StepFn:
     if loop == "vmap":
@@ -192,6 +238,16 @@ class ShardedEnsemble(Ensemble, GlobalMeshBatch, Strategy):
       return jax.tree.map(lambda *xs: jnp.stack(xs), *outs)
 
     return unrolled
+
+  def put_batch(self, batch: PyTree) -> PyTree:
+    if not self.batch_models:
+      return super().put_batch(batch)
+    return jax.device_put(batch, self._member_batches)
+
+  def _batch_spec(self, steps: bool = False) -> PartitionSpec:
+    """The batch's spec in a step: each member's rows (`batch_models`), or rows all read."""
+    spec = (ENSEMBLE, DATA) if self.batch_models else (DATA,)
+    return PartitionSpec(*((None,) if steps else ()), *spec)
 
   def _specs(self, state: PyTree) -> PyTree:
     return jax.tree.map(lambda m: PartitionSpec(ENSEMBLE) if m else PartitionSpec(),
@@ -232,9 +288,9 @@ class ShardedEnsemble(Ensemble, GlobalMeshBatch, Strategy):
       jit_kwargs["out_shardings"] = (self._shardings(state), self._member_sharding)
     per_device = jax.shard_map(
         self._over_local_members(fn, loop, mask, returns_state), mesh=self.mesh,
-        in_specs=(specs, PartitionSpec(DATA)), out_specs=out_specs, check_vma=False)
-    return jax.jit(per_device, in_shardings=(self._shardings(state), self._batch_sharding),
-                   **jit_kwargs)
+        in_specs=(specs, self._batch_spec()), out_specs=out_specs, check_vma=False)
+    return jax.jit(per_device, in_shardings=(
+        self._shardings(state), NamedSharding(self.mesh, self._batch_spec())), **jit_kwargs)
 
   def compile_train_step(self, step_fn: StepFn, state: PyTree) -> StepFn:
     return self._compile(step_fn, self.loop, PartitionSpec(ENSEMBLE), state,
@@ -243,12 +299,14 @@ class ShardedEnsemble(Ensemble, GlobalMeshBatch, Strategy):
   def compile_train_chunk(self, chunk_fn: StepFn, state: PyTree) -> StepFn:
     mask, specs = self.member_mask(state), self._specs(state)
     per_device = jax.shard_map(
-        self._over_local_members(chunk_fn, self.loop, mask, returns_state=True),
+        self._over_local_members(chunk_fn, self.loop, mask, returns_state=True,
+                                 batch_axis=1),
         mesh=self.mesh,
-        in_specs=(specs, PartitionSpec(None, DATA), PartitionSpec()),
+        in_specs=(specs, self._batch_spec(steps=True), PartitionSpec()),
         out_specs=(specs, PartitionSpec(ENSEMBLE)), check_vma=False)
     return jax.jit(per_device, in_shardings=(self._shardings(state),
-                                             self._stacked_batch_sharding,
+                                             NamedSharding(self.mesh,
+                                                           self._batch_spec(steps=True)),
                                              self._replicated_sharding),
                    out_shardings=(self._shardings(state), self._member_sharding),
                    donate_argnums=0)

@@ -262,3 +262,91 @@ def test_a_sweep_killed_at_and_past_a_checkpoint_resumes_bitwise_equal(base, tmp
   final = killed_and_resumed(lambda *a: _resume_run(base, *a), tmp_path)
   kernels = [k for k in final if k.startswith(".params") and "['down_proj']['kernel']" in k]
   assert kernels and all(final[k].ndim == 3 for k in kernels)  # [layer, mlp, embed]: once.
+
+
+# -- Each member its own data (many tenants) ----------------------------------------------
+
+
+def _corpora(root, count=4):
+  """`count` corpora of different words (`pf.WORDS[i::count]`), each a train and a
+  held-out JSONL file of `text` records."""
+  rng = np.random.default_rng(7)
+  train, held = [], []
+  for i in range(count):
+    words = pf.WORDS[i::count]
+    texts = [" ".join(rng.choice(words, int(rng.integers(4, 20)))) for _ in range(60)]
+    train.append(str(pf.write_jsonl(root / f"train{i}.jsonl",
+                                    [{"text": t} for t in texts[:48]])))
+    held.append(str(pf.write_jsonl(root / f"held{i}.jsonl", [{"text": t} for t in texts[48:]])))
+  return train, held
+
+
+def _tenant(config, sources, held):
+  config.data.update(sources=tuple(sources), eval_sources=tuple(held), workers=0, lanes=1,
+                     shuffle_files=False)
+  return config
+
+
+def test_four_adapters_train_on_four_corpora_in_one_program_each_as_its_own_run(base,
+                                                                               tmp_path):
+  """A sweep of 4 adapters over one base, member i reading corpus i (its own train and
+  held-out files) in one step for all: each member's adapters and held-out loss are its
+  own run's; the batch holds each member's rows, placed with the member."""
+  from trainer.data import lm
+  train, held = _corpora(tmp_path)
+  rates = (0.05, 0.1, 0.2, 0.3)
+  config = _tenant(lora_config(base, rates=rates, **{"strategy.ensemble_mesh_shape": (2, -1),
+                                                     "eval_batch_size": 8}), (), ())
+  config.data.update(member_sources=tuple((t,) for t in train),
+                     member_eval_sources=tuple((h,) for h in held))
+  trainer = LanguageModelTrainer(config)
+  assert trainer.strategy.batch_models == 4
+  first = next(lm.from_config(config)())
+  assert first["inputs"].shape[:2] == (4, config.batch_size)
+  swept = trainer.fit(lm.from_config(config), num_steps=3).state
+  each = trainer.evaluator.evaluate_members(swept, lm.eval_batches(config))
+  members = jax.device_get(trainer.strategy.to_canonical(swept).params)
+  losses = []
+  for i, rate in enumerate(rates):
+    single_config = _tenant(lora_config(base, rates=(), learning_rate=rate, eval_batch_size=8),
+                            (train[i],), (held[i],))
+    single = LanguageModelTrainer(single_config)
+    state = single.fit(lm.from_config(single_config), num_steps=3).state
+    jax.tree.map(lambda m, s, i=i: np.testing.assert_allclose(m[i], s, rtol=1e-5, atol=1e-6),
+                 members, jax.device_get(state.params))
+    own = single.evaluate(state, lm.eval_batches(single_config))["loss"]
+    np.testing.assert_allclose(each[i]["loss"], own, rtol=1e-5)
+    losses.append(own)
+  assert len(set(np.round(losses, 4))) == 4  # Four corpora: four different held-out losses.
+
+
+def test_member_sources_are_refused_where_they_cannot_go(base, tmp_path):
+  train, held = _corpora(tmp_path, count=2)
+  config = _tenant(lora_config(base, rates=(0.1, 0.2, 0.3, 0.4)), (), ())
+  config.data.member_sources = tuple((t,) for t in train)
+  with pytest.raises(ValueError, match=r"config\.data\.member_sources has 2 entries for the 4 "
+                                       r"members"):
+    LanguageModelTrainer(config)
+  config = _tenant(lora_config(base, rates=()), (), ())
+  config.data.member_sources = tuple((t,) for t in train)
+  with pytest.raises(ValueError, match=r"config\.data\.member_sources gives each member its "
+                                       r"own data, .*strategy\.name='sharded_data_parallel'"):
+    LanguageModelTrainer(config)
+
+
+def test_each_members_data_position_is_saved_and_resumed(base, tmp_path):
+  """Checkpointed at step 2 and resumed to 4: every member's corpus continues where it
+  stopped (the final state is the straight run's, bit for bit)."""
+  from trainer.data import lm
+  train, held = _corpora(tmp_path, count=2)
+  config = _tenant(lora_config(base), (), ())
+  config.data.member_sources = tuple((t,) for t in train)
+  straight = LanguageModelTrainer(config).fit(lm.from_config(config), num_steps=4).state
+  checkpointer = Checkpointer(str(tmp_path / "ckpt"), every_steps=2, async_save=False)
+  LanguageModelTrainer(config).fit(lm.from_config(config), num_steps=2,
+                                   checkpointer=checkpointer)
+  assert "members" in checkpointer.layout(2)["data"]
+  resumed = LanguageModelTrainer(config).fit(lm.from_config(config), num_steps=4,
+                                             checkpointer=checkpointer).state
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(resumed.params),
+               jax.device_get(straight.params))

@@ -67,6 +67,14 @@ def check_config(config: ml_collections.ConfigDict) -> None:
   if "data" in config and "sources" in config.data and config.data.sources:
     from trainer.data import lm
     lm.check_config(config)  # The corpus's files exist, its fields are accepted.
+  if "data" in config and "member_sources" in config.data and config.data.member_sources:
+    from trainer.data import lm, members
+    if config.strategy.name != "sharded_ensemble":
+      raise ValueError(f"config.data.member_sources gives each member its own data, which "
+                       f"'sharded_ensemble' places with the member; config.strategy.name="
+                       f"{config.strategy.name!r} gives every model the same batch.")
+    for i in range(len(members.member_sources(config))):
+      lm.check_config(members.member_config(config, i))  # Member i's files exist.
   if not isinstance(config.eval_batch_size, int) or config.eval_batch_size < 1:
     raise ValueError(f"config.eval_batch_size={config.eval_batch_size!r} must be a positive "
                      f"integer (any size: eval batches are padded to split evenly).")

@@ -81,11 +81,16 @@ class Evaluator:
     self._last_pass: tuple[Callable, weakref.ref, list] | None = None  # See `one_set`.
 
   def chunks(self, batch: Batch) -> Iterator[tuple[dict[str, np.ndarray], int]]:
-    """`(padded chunk, real examples)` for `eval_batch_size` slices of a host batch."""
-    n = batch_size_of(batch)
+    """`(padded chunk, real examples)` for `eval_batch_size` slices of a host batch (of
+    each member's rows, where each member reads its own: `Strategy.batch_models`)."""
+    models = self.strategy.model_batches(batch)
+    n = batch_size_of(models[0])
     for start in range(0, n, self.eval_batch_size):
-      part = {k: np.asarray(v)[start:start + self.eval_batch_size] for k, v in batch.items()}
-      yield pad_batch(part, self._padded_size), min(self.eval_batch_size, n - start)
+      parts = [pad_batch({k: np.asarray(v)[start:start + self.eval_batch_size]
+                          for k, v in one.items()}, self._padded_size) for one in models]
+      chunk = ({k: np.stack([p[k] for p in parts]) for k in parts[0]}
+               if self.strategy.batch_models else parts[0])
+      yield chunk, min(self.eval_batch_size, n - start)
 
   def _put(self, chunk: Batch) -> PyTree:
     """A padded global chunk on devices, each process putting its own rows."""

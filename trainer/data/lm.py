@@ -403,7 +403,11 @@ def tokenizer_of(config) -> Tokenizer:
 
 def from_config(config, rows: slice = slice(None), epochs: int | None = None) -> Corpus:
   """The `Corpus` of `config.data` for this process's `rows`
-  (`trainer.strategy.process_slice(config.batch_size)`), endless or `epochs` passes."""
+  (`trainer.strategy.process_slice(config.batch_size)`), endless or `epochs` passes; with
+  `config.data.member_sources`, every member's (`trainer.data.members`)."""
+  if config.data.member_sources:
+    from trainer.data import members
+    return members.from_config(config, lambda one: from_config(one, rows, epochs))
   sources = check_config(config)
   data = config.data
   tokenizer = tokenizer_of(config)
@@ -435,7 +439,11 @@ def held_out_config(config) -> ml_collections.ConfigDict:
 
 def eval_batches(config) -> list[dict[str, np.ndarray]]:
   """Up to `config.data.eval_batches` global batches of `config.eval_batch_size` rows from
-  one pass over `config.data.eval_sources` (`held_out_config`); [] without eval sources."""
+  one pass over `config.data.eval_sources` (`held_out_config`); [] without eval sources.
+  With `config.data.member_sources`, every member's, stacked (`trainer.data.members`)."""
+  if config.data.member_sources:
+    from trainer.data import members
+    return members.eval_batches(config, eval_batches)
   if not config.data.eval_sources:
     return []
   return first_batches(from_config(held_out_config(config), epochs=1)(), config, "rows")

@@ -127,8 +127,9 @@ class Runner:
 
   def check_batch(self, batch: Batch, step: int) -> None:
     """Raises unless `batch` holds this process's rows of a `batch_size` batch for `step`."""
-    check_train_batch(batch, step, batch_size=self.batch_size,
-                      rows=self.strategy.process_slice(self.batch_size))
+    for one in self.strategy.model_batches(batch):  # Each member's, where each reads its own.
+      check_train_batch(one, step, batch_size=self.batch_size,
+                        rows=self.strategy.process_slice(self.batch_size))
 
   def _throughput(self, begin: Start) -> tuple[throughput.StepFlops, int | None]:
     """The train step's FLOPs (counted from its jaxpr when first asked for) and the tokens
@@ -139,8 +140,9 @@ class Runner:
         self.compiled.train(begin.state),
         lambda: (abstract, self.strategy.put_batch(begin.batch)),
         num_devices=self.strategy.num_devices)
-    tokens = self.tokens_per_example(begin.batch)
-    return flops, tokens * self.batch_size if tokens else None
+    tokens = self.tokens_per_example(self.strategy.model_batches(begin.batch)[0])
+    models = max(1, self.strategy.batch_models)  # Each member its own rows: all counted.
+    return flops, tokens * self.batch_size * models if tokens else None
 
   def _calls(self, begin: Start, num_steps: int, plan: ChunkPlan | None,
              clock: LoopClock) -> driver.Advance:
