@@ -244,6 +244,11 @@ class ShardedEnsemble(Ensemble, GlobalMeshBatch, Strategy):
       return super().put_batch(batch)
     return jax.device_put(batch, self._member_batches)
 
+  def put_batches(self, batches: PyTree) -> PyTree:
+    if not self.batch_models:
+      return super().put_batches(batches)
+    return jax.device_put(batches, NamedSharding(self.mesh, self._batch_spec(steps=True)))
+
   def _batch_spec(self, steps: bool = False) -> PartitionSpec:
     """The batch's spec in a step: each member's rows (`batch_models`), or rows all read."""
     spec = (ENSEMBLE, DATA) if self.batch_models else (DATA,)

@@ -335,11 +335,11 @@ def test_member_sources_are_refused_where_they_cannot_go(base, tmp_path):
 
 
 def test_each_members_data_position_is_saved_and_resumed(base, tmp_path):
-  """Checkpointed at step 2 and resumed to 4: every member's corpus continues where it
-  stopped (the final state is the straight run's, bit for bit)."""
+  """Checkpointed at step 2 and resumed to 4, two steps a call: every member's corpus
+  continues where it stopped (the final state is the straight run's, bit for bit)."""
   from trainer.data import lm
   train, held = _corpora(tmp_path, count=2)
-  config = _tenant(lora_config(base), (), ())
+  config = _tenant(lora_config(base, steps_per_call=2), (), ())
   config.data.member_sources = tuple((t,) for t in train)
   straight = LanguageModelTrainer(config).fit(lm.from_config(config), num_steps=4).state
   checkpointer = Checkpointer(str(tmp_path / "ckpt"), every_steps=2, async_save=False)
