@@ -95,6 +95,23 @@ def test_every_loop_over_a_devices_members_reads_the_one_copy(base, swept, loop)
                jax.device_get(stacked))
 
 
+def test_a_qlora_sweep_holds_its_quantized_base_once(base):
+  """An NF4 base (codes and scales) loaded from the Llama: held once, as the float base
+  is, and the sweep trains as over stacked copies of it."""
+  states = {}
+  for share in ("auto", "none"):
+    trainer = LanguageModelTrainer(lora_config(base, **{
+        "lora.base_dtype": "nf4", "lora.block_size": 8, "strategy.share_frozen": share}))
+    states[share] = trainer, trainer.fit(stream, num_steps=2).state
+  quantized = [(p, x) for p, x in _leaves(states["auto"][1].params).items()
+               if "qvalue" in p or "scale" in p and "proj" in p]
+  assert quantized and all(held_once(x) for _, x in quantized)
+  assert all(held_once(x) == ("_lora_" not in p)
+             for p, x in _leaves(states["auto"][1].params).items())
+  jax.tree.map(np.testing.assert_array_equal,
+               *(jax.device_get(t.strategy.to_canonical(s).params) for t, s in states.values()))
+
+
 def test_the_dry_run_counts_the_base_once(base):
   batch = next(stream(0))
   members = 8

@@ -114,7 +114,9 @@ def swept_optimizer(config: ml_collections.ConfigDict, sweep: Sweep,
   base = sweep.members[0]
   # A scheduler that freezes slots (halving) keeps a per-slot `active` flag beside them.
   frozen = {"active": 1.0} if sweep.scheduler in REFILLING else {}
-  return optax.inject_hyperparams(chain)(
+  # float32 hyperparameters, as the parameters are kept (`trainer.step.precision`): left to
+  # optax, the dtype is the parameters' highest, which a QLoRA base's 4-bit codes refuse.
+  return optax.inject_hyperparams(chain, hyperparam_dtype=jnp.float32)(
       learning_rate=base["learning_rate"], warmup_steps=base["warmup_steps"],
       weight_decay=base["weight_decay"], momentum_value=base["momentum"], b1=base["b1"],
       grad_clip_norm=base["grad_clip_norm"], **frozen)
