@@ -111,7 +111,8 @@ def restore_run(checkpointer: Checkpointer, strategy: Strategy, abstract_state: 
           f"checkpoint {where} holds an ensemble of {saved} members and strategy "
           f"{strategy.name!r} holds one model; pass member=i with 0 <= i < {saved} (got "
           f"{member}) to restore one of them.")
-    restored = _restore_member(checkpointer, step, target, num_saved=saved, member=member)
+    restored = _restore_member(checkpointer, step, target, num_saved=saved, member=member,
+                               held_once=frozenset(layout.get("held_once", ())))
   elif saved and layout.get("shared", False) != strategy.checkpoint_layout().get("shared",
                                                                                 False):
     held = "holds" if layout.get("shared") else "does not hold"
@@ -133,24 +134,21 @@ def restore_run(checkpointer: Checkpointer, strategy: Strategy, abstract_state: 
 
 
 def _restore_member(checkpointer: Checkpointer, step: int, target: PyTree, *, num_saved: int,
-                    member: int) -> PyTree:
+                    member: int, held_once: frozenset[str] = frozenset()) -> PyTree:
   """Member `member` of the ensemble saved at `step`, in the layout of `target` (one model).
 
   A sweep's members keep their hyperparameters in their optimizer state
   (`optax.inject_hyperparams`); such a member's optimizer state is read in the
   saved layout and converted to `target`'s (`single_model_opt_state`), as the
   sweep's own export does. Its moments carry over; its hyperparameters are this
-  strategy's trainer's.
+  strategy's trainer's. `held_once`: the paths the layout records as saved once for every
+  member (`save_run`).
   """
   read = lambda t: checkpointer.restore(step, t)  # noqa: E731
   wanted = serialization.to_state_dict(target)
-  arrays = checkpointer.saved_arrays(step)
-  ranks = {keypath_str(p): len(m.shape) for p, m in jax.tree_util.tree_leaves_with_path(
-      arrays, is_leaf=lambda m: hasattr(m, "shape"))}
-  rank = {keypath_str(p): len(t.shape) for p, t in jax.tree_util.tree_leaves_with_path(wanted)}
-  # A frozen part the ensemble held once was saved without the member axis.
-  once = lambda path: ranks.get(path) == rank.get(path)  # noqa: E731
-  saved_opt = arrays.get("opt_state")
+  # A frozen part the ensemble held once was saved without the member axis (`save_run`).
+  once = lambda path: path.removesuffix("/value") in held_once  # noqa: E731
+  saved_opt = checkpointer.saved_arrays(step).get("opt_state")
   if not (isinstance(saved_opt, Mapping) and "inner_state" in saved_opt
           and "inner_state" not in wanted["opt_state"]):
     return restore_member(read, target, num_saved=num_saved, member=member, held_once=once)

@@ -44,14 +44,14 @@ def _positions(conversion: Any, shape: tuple[int, ...], inputs: int, name: str):
   codes_out = np.broadcast_to(np.arange(n_out).reshape((1,) * inputs + shape[inputs:]), shape)
   hf_in, hf_out = conversion.to_hf(codes_in), conversion.to_hf(codes_out)
   if hf_in.ndim != 2:
-    raise ValueError(f"PEFT export: {name} is a {hf_in.ndim}-D HF tensor; PEFT's LoRA "
+    raise ValueError(f"PEFT: {name} is a {hf_in.ndim}-D HF tensor; PEFT's LoRA "
                      f"adapts 2-D weights only.")
   for in_axis in (1, 0):  # A Linear's [out, in], else a Conv1D's [in, out].
     if (hf_in == np.take(hf_in, [0], axis=1 - in_axis)).all() and (
         hf_out == np.take(hf_out, [0], axis=in_axis)).all():
       return (in_axis == 0, np.take(hf_in, 0, axis=1 - in_axis),
               np.take(hf_out, 0, axis=in_axis))
-  raise ValueError(f"PEFT export: {name}'s HF layout mixes the weight's input and output "
+  raise ValueError(f"PEFT: {name}'s HF layout mixes the weight's input and output "
                    f"axes; PEFT's factors cannot hold its adapters.")
 
 
@@ -186,13 +186,14 @@ def with_adapters(base: Any, directory: str, config: Any, *, linen: bool) -> Any
     used.update(n.format(x) for n in names for x in "AB")
     hf_shape = ((b[0].shape[0], a[0].shape[1]) if not spec.get("fan_in_fan_out")
                 else (a[0].shape[1], b[0].shape[0]))
-    shape = hf.Conversion(rule, mapping.dims, () if rule.split else hf_shape).shape
+    conversion = hf.Conversion(rule, mapping.dims, () if rule.split else hf_shape)
+    shape = conversion.shape
     n_in = a[0].shape[1]
     inputs = next((k for k in range(1, len(shape)) if math.prod(shape[:k]) == n_in), None)
     if inputs is None:
       raise ValueError(f"{field}: {rule.hf}'s adapter takes {n_in} inputs, which no leading "
                        f"axes of our {rule.ours} {shape} make.")
-    _, at_in, at_out = _positions(_conversion(mapping, rule, shape), shape, inputs, rule.hf)
+    _, at_in, at_out = _positions(conversion, shape, inputs, rule.hf)
     ours_a = np.zeros((len(a), n_in, rank), a[0].dtype)
     ours_b = np.zeros((len(b), rank, math.prod(shape[inputs:])), b[0].dtype)
     ours_a[:, at_in, :] = np.stack([x.T for x in a])
