@@ -66,6 +66,13 @@ os.environ["XLA_FLAGS"] = " ".join(
     _flags + [f for f in (*TEST_XLA_FLAGS, *_known_to_xla(OPTIONAL_XLA_FLAGS))
               if f not in _flags])
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+# XLA:CPU's thread pool sized for the 8 devices' collectives (`reserve_host_threads`): at
+# its default size, a test whose devices waited in collectives filled it, and XLA aborted the
+# worker ("Termination timeout ... only 7 of them arrived"). Before jax starts; processes
+# the tests launch inherit it, and documented commands set it themselves.
+from trainer.distributed.devices import reserve_host_threads  # noqa: E402
+
+reserve_host_threads(8)
 # JAX's persistent compilation cache, shared by every xdist worker and every subprocess the
 # tests start (README commands, launched processes inherit the environment): the same
 # programs (a CNN step under a strategy, an example's eval step) compile once per machine.

@@ -26,6 +26,11 @@ NUM_PROCESSES_ENV = "JAX_NUM_PROCESSES"
 PROCESS_ID_ENV = "JAX_PROCESS_ID"
 COORDINATOR_ENV = "JAX_COORDINATOR_ADDRESS"  # jax.distributed.initialize reads it too.
 AUTO_ENV = "TRAINER_DISTRIBUTED"
+#: XLA:CPU sizes its thread pool from this variable (default: the larger of the cores and
+#: the devices).
+HOST_THREADS_ENV = "PJRT_NPROC"
+#: Threads of that pool per host device (`reserve_host_threads`).
+HOST_THREADS_PER_DEVICE = 8
 
 
 def _env_int(name: str) -> int:
@@ -67,6 +72,24 @@ def distributed_settings() -> dict | None:
               process_id=pid)
 
 
+def reserve_host_threads(n: int) -> None:
+  """Gives XLA:CPU's thread pool `HOST_THREADS_PER_DEVICE` threads per host device, unless
+  the environment already names its size (`HOST_THREADS_ENV`). Call it before jax starts.
+
+  A collective holds a pool thread while it waits for the other devices, and a device's
+  program may wait in several at once (independent chains, programs queued behind each
+  other). At XLA's default size (the larger of the cores and the devices: 8 threads for 8
+  devices on 2 cores), the waits of the devices that ran ahead filled the pool, the others
+  never reached the collective, and XLA aborted the process 40 s later ("Termination
+  timeout ... only 7 of them arrived"). Measured here: 3,000 queued calls of one program
+  with an all-reduce over 8 devices deadlocked with 8 or 12 threads and ran with 16, 24 or
+  32; `benchmarks/strategy_step_time.py`'s step times did not change with 64. The suite
+  queues 2,000 such calls (`tests/test_devices.py`).
+  """
+  if n > 1 and HOST_THREADS_ENV not in os.environ:
+    os.environ[HOST_THREADS_ENV] = str(max(os.cpu_count() or 1, HOST_THREADS_PER_DEVICE * n))
+
+
 def set_num_cpu_devices(n: int) -> None:
   """Makes a CPU-only host expose `n` devices (0 or None: jax's default).
 
@@ -78,6 +101,7 @@ def set_num_cpu_devices(n: int) -> None:
   """
   if not n:
     return
+  reserve_host_threads(int(n))
   try:
     jax.config.update("jax_num_cpu_devices", int(n))
   except RuntimeError as e:
@@ -118,6 +142,7 @@ def initialize(num_cpu_devices: int = 0) -> None:
     raise ValueError(f"config.num_cpu_devices={num_cpu_devices} (devices in all) does not "
                      f"split evenly over the run's {num} processes.")
   if num_cpu_devices:
+    reserve_host_threads(num_cpu_devices // num)
     jax.config.update("jax_num_cpu_devices", num_cpu_devices // num)
   logging.info("Process %d of %d: %d local device(s), %d in all (%s).", jax.process_index(),
                jax.process_count(), jax.local_device_count(), jax.device_count(),
