@@ -321,6 +321,39 @@ def test_a_sweep_over_beta_trains_each_member_as_its_own_run(models):
                  members, jax.device_get(result.state.params))
 
 
+def test_a_checkpoint_holding_other_parts_once_is_refused_naming_share_frozen(models,
+                                                                               tmp_path):
+  """A LoRA student's sweep holds its base and its teacher once, and saves them once; a
+  sweep that holds only the teacher once is refused before it reads, naming the leaves
+  held once on one side only and the field."""
+  from trainer.checkpoint.store import Checkpointer, CheckpointError
+  from trainer.distill import DistillationTrainer, data
+
+  def sweep(share):
+    config = distill_setup.config(models, "llama", optimizer="sgd", learning_rate=0.5, **{
+        "strategy.name": "sharded_ensemble", "ensemble_size": 0,
+        "strategy.ensemble_mesh_shape": (2, -1), "strategy.logical_axis_rules": (),
+        "lora.rank": 2, "lora.targets": (".*attn/[^/]*/kernel",),
+        "strategy.share_frozen": share})
+    config.sweep.grid.beta = (0.0, 1.0)
+    config.sweep.metric = "loss"
+    return DistillationTrainer(config)
+
+  checkpointer = Checkpointer(str(tmp_path / "ckpt"), every_steps=1, async_save=False)
+  trainer = sweep("auto")
+  trainer.fit(data.from_config(trainer.config), num_steps=1, checkpointer=checkpointer)
+  layout = checkpointer.layout(1)
+  assert any(p.startswith("teacher") for p in layout["held_once"])
+  assert any(p.startswith("params") and "kernel" in p for p in layout["held_once"])
+  other = sweep("teacher")
+  with pytest.raises(CheckpointError, match=r"hold different frozen parts once .* \d+ "
+                                            r"leaves are held once there only \(params.*0 "
+                                            r"here only \(none\)\. config\.strategy\."
+                                            r"share_frozen"):
+    other.fit(data.from_config(other.config), num_steps=2, checkpointer=checkpointer)
+  assert checkpointer.all_steps() == [1]  # Nothing saved over it.
+
+
 def test_harness_tasks_run_on_the_student_during_distillation(models, monkeypatch):
   """`trainer.harness.HarnessEval` as an action of a distillation run under FSDP."""
   pytest.importorskip("lm_eval")

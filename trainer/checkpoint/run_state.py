@@ -70,12 +70,30 @@ def save_run(checkpointer: Checkpointer, strategy: Strategy, run: RunState) -> N
   state = strategy.checkpoint_state(run.state)
   layout = strategy.checkpoint_layout()
   if layout.get("shared"):  # The leaves an ensemble holds once are saved once.
-    from strategies.sharded_ensemble import held_once
-    layout["held_once"] = sorted(
-        keypath_str(p).removesuffix("/value")
-        for p, x in jax.tree_util.tree_leaves_with_path(state) if held_once(x))
+    layout["held_once"] = _held_once(state)
   checkpointer.save(run.step, state, {**layout, "shape": run_shape(strategy)},
                     metrics=run.metrics, action_states=run.actions, data_state=data)
+
+
+def _held_once(tree: PyTree) -> list[str]:
+  """The paths of a shared ensemble state's (or its target's) leaves held once."""
+  from strategies.sharded_ensemble import held_once
+  return sorted(keypath_str(p).removesuffix("/value")
+                for p, x in jax.tree_util.tree_leaves_with_path(tree) if held_once(x))
+
+
+def _check_held_once(layout: Mapping[str, Any], target: PyTree, where: str) -> None:
+  """Both the checkpoint and this run hold frozen parts once: the same parts."""
+  saved, ours = set(layout.get("held_once", ())), set(_held_once(target))
+  if saved != ours:
+    only = lambda paths: ", ".join(sorted(paths)[:3]) + (" ..." if len(paths) > 3 else "")  # noqa: E731
+    raise CheckpointError(
+        f"checkpoint {where} and this run hold different frozen parts once for all "
+        f"members: {len(saved - ours)} leaves are held once there only "
+        f"({only(saved - ours) or 'none'}), "
+        f"{len(ours - saved)} here only ({only(ours - saved) or 'none'}). "
+        f"config.strategy.share_frozen (and what it can share) must be as when it was "
+        f"written, or restore one member.")
 
 
 def restore_run(checkpointer: Checkpointer, strategy: Strategy, abstract_state: PyTree, *,
@@ -127,6 +145,8 @@ def restore_run(checkpointer: Checkpointer, strategy: Strategy, abstract_state: 
         f"but strategy {strategy.name!r} holds {_models(ours)}; an ensemble restores into "
         f"an ensemble of the same size, or one member of it into a single-model strategy.")
   else:
+    if saved and layout.get("shared"):
+      _check_held_once(layout, target, where)
     restored = checkpointer.restore(step, target)
   # `restored` is a train state whose static fields (apply_fn, tx) are this trainer's.
   return RunState(strategy.from_checkpoint(restored), step, data=layout.get("data"),
